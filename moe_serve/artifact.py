@@ -1,0 +1,215 @@
+"""The serving artifact (DESIGN §2, docs/artifact-format.md): save, validate, load.
+
+A directory with config.json, model.safetensors, tokenizer.json and optionally quality.json. Loading
+checks everything before any weight is used and raises ArtifactError with one message naming the
+problem. Weights are read with safetensors only: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_serve.errors import ArtifactError, ConfigError
+from moe_serve.model_config import ModelConfig
+from moe_serve.models import MoETransformer
+from moe_serve.tokenizer import Tokenizer
+
+FORMAT = "moe-serve"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+QUALITY_FILE = "quality.json"
+STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class Artifact:
+    """A loaded artifact: the model (eval mode, on its device) and everything needed to serve it."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: MoETransformer
+    provenance: dict[str, Any] = field(default_factory=dict)
+    quality: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names and shapes for a config (built on the meta device: no memory used)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def save_artifact(
+    dst: str | Path,
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    *,
+    provenance: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an artifact. The directory is written aside and renamed into place, so a failure never
+    leaves a half-written DST. Tensors are checked against the config before anything is written."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise ArtifactError(f"{dst} already exists (pass overwrite=True to replace it)")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ArtifactError(f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}")
+    _check_tensors(config, {name: tuple(t.shape) for name, t in state_dict.items()})
+    tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in state_dict.items()}
+    for name, t in tensors.items():
+        if t.dtype not in STORAGE_DTYPES:
+            raise ArtifactError(f"tensor '{name}' has dtype {t.dtype}; artifacts store float32, float16 or bfloat16")
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE))
+        tokenizer.save(tmp / TOKENIZER_FILE)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model": config.to_dict(),
+            "provenance": {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(provenance or {})},
+            "checksums": {name: sha256_file(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
+        }
+        (tmp / CONFIG_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
+    """Read and validate config.json: format, version and the model config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path} is not an artifact directory (it does not exist or is not a directory)")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ArtifactError(f"{path} has no {CONFIG_FILE}")
+    try:
+        manifest = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{config_path} is not a moe-serve artifact config (\"format\" must be \"{FORMAT}\")")
+    version = manifest.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        supported = ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
+        raise ArtifactError(f"unknown format_version {version!r} in {config_path}; this runtime reads {supported}")
+    try:
+        config = ModelConfig.from_dict(manifest.get("model"))
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+    return manifest, config
+
+
+def load_artifact(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    verify_checksums: bool = True,
+) -> Artifact:
+    path = Path(path)
+    manifest, config = read_manifest(path)
+    for name in (WEIGHTS_FILE, TOKENIZER_FILE):
+        if not (path / name).is_file():
+            raise ArtifactError(f"{path} has no {name}")
+    if verify_checksums:
+        _verify_checksums(path, manifest.get("checksums") or {})
+
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            _check_tensors(config, shapes)
+            for name in f.keys():
+                dtype_name = f.get_slice(name).get_dtype()
+                if dtype_name not in _SAFETENSORS_DTYPES:
+                    raise ArtifactError(f"tensor '{name}' has dtype {dtype_name}; artifacts store F32, F16 or BF16")
+                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    except ArtifactError:
+        raise
+    except Exception as exc:  # safetensors raises its own errors for corrupt headers
+        raise ArtifactError(f"cannot read {path / WEIGHTS_FILE}: {exc}") from None
+
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+
+    try:
+        tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE)
+    except Exception as exc:
+        raise ArtifactError(f"cannot read {path / TOKENIZER_FILE}: {exc}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ArtifactError(
+            f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
+        )
+    quality = None
+    if (path / QUALITY_FILE).is_file():
+        quality = json.loads((path / QUALITY_FILE).read_text())
+    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality)
+
+
+def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:
+    for name in (WEIGHTS_FILE, TOKENIZER_FILE):
+        recorded = checksums.get(name)
+        if recorded is None:
+            raise ArtifactError(f"{path / CONFIG_FILE} records no sha256 checksum for {name}")
+        actual = sha256_file(path / name)
+        if actual != recorded:
+            raise ArtifactError(
+                f"checksum mismatch for {name}: config.json records sha256 {recorded[:16]}…, the file has {actual[:16]}…"
+            )
+
+
+def _check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    expected = expected_tensors(config)
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        name = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ArtifactError(f"missing tensor '{name}' (expected shape {list(expected[name])}){more}")
+    unexpected = [name for name in shapes if name not in expected]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ArtifactError(f"unexpected tensor '{unexpected[0]}' not described by the config{more}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise ArtifactError(f"tensor '{name}' has shape {list(shapes[name])}, expected {list(shape)}")

@@ -1,0 +1,1 @@
+"""Building blocks of the MoE transformer: norms, positions, attention, FFNs, routers, the MoE block."""

@@ -1,0 +1,284 @@
+"""Model architecture config: frozen dataclasses validated in __post_init__, (de)serialised to config.json.
+
+Every field is documented in docs/artifact-format.md. `from_dict` ignores (and logs) unknown keys so that
+newer artifacts stay loadable by older runtimes; missing required keys and bad values raise ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from moe_serve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Task = Literal["causal_lm", "sequence_classification"]
+PositionKind = Literal["learned", "rotary", "relative"]
+NormKind = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]
+ExpertKind = Literal["mlp", "glu", "adapter"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+RouterKind = Literal["topk_softmax", "topk_uniform", "soft_merge"]
+Pooling = Literal["mean", "first", "last"]
+
+TASKS = ("causal_lm", "sequence_classification")
+POSITION_KINDS = ("learned", "rotary", "relative")
+NORM_KINDS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+EXPERT_KINDS = ("mlp", "glu", "adapter")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+ROUTER_KINDS = ("topk_softmax", "topk_uniform", "soft_merge")
+POOLINGS = ("mean", "first", "last")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer; got {value!r}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a dict, recursing into nested config dataclasses."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object; got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        logger.warning("ignoring unknown config keys in %s: %s", where, ", ".join(unknown))
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            continue
+        nested = _NESTED.get((cls.__name__, key))
+        if nested is not None and value is not None:
+            value = _build(nested, value, f"{where}.{key}")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class FFNConfig:
+    """One feed-forward network: a dense layer's FFN, or one expert of an MoE layer.
+
+    mlp:     act(x W1^T + b1) W2^T + b2
+    glu:     (act(x Wg^T) * (x Wu^T)) Wd^T           (SwiGLU when act = silu; Mixtral / Qwen style)
+    adapter: act(x Wdown^T + bdown) Wup^T (+ bup)    (bottleneck adapter, SMEAR / HyperMoE style)
+    """
+
+    kind: ExpertKind
+    intermediate_size: int
+    activation: Activation = "silu"
+    use_bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("ffn kind", self.kind, EXPERT_KINDS)
+        _check_positive("intermediate_size", self.intermediate_size)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How an MoE layer picks experts and weighs them (DESIGN §3)."""
+
+    kind: RouterKind
+    normalize: bool = True  # topk_softmax: softmax over the chosen (True) or full-softmax mass (False)
+    use_bias: bool = False  # router linear bias (HyperRouter's folded b_r)
+    input_norm: NormKind | None = None  # soft_merge: norm applied to the pooled input (SMEAR's LN_in)
+
+    def __post_init__(self) -> None:
+        _check_choice("router kind", self.kind, ROUTER_KINDS)
+        if self.input_norm is not None:
+            _check_choice("router input_norm", self.input_norm, NORM_KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsPerToken:
+    """The k a request may choose: `default` when it names none, and the allowed range."""
+
+    default: int
+    min: int = 1
+    max: int | None = None  # None: num_experts
+
+    def __post_init__(self) -> None:
+        for name in ("default", "min"):
+            _check_positive(f"experts_per_token.{name}", getattr(self, name))
+        if self.max is not None:
+            _check_positive("experts_per_token.max", self.max)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    num_experts: int
+    layers: tuple[int, ...]
+    expert: FFNConfig
+    router: RouterConfig
+    experts_per_token: ExpertsPerToken
+    shared_expert: FFNConfig | None = None
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x w) scales the shared expert
+
+    def __post_init__(self) -> None:
+        _check_positive("moe.num_experts", self.num_experts)
+        k = self.experts_per_token
+        k_max = k.max if k.max is not None else self.num_experts
+        if not 1 <= k.min <= k.default <= k_max <= self.num_experts:
+            raise ConfigError(
+                f"experts_per_token range must satisfy 1 <= min <= default <= max <= num_experts "
+                f"({self.num_experts}); got min={k.min}, default={k.default}, max={k_max}"
+            )
+        if self.shared_expert_gate and self.shared_expert is None:
+            raise ConfigError("moe.shared_expert_gate needs moe.shared_expert")
+
+    @property
+    def min_k(self) -> int:
+        return self.experts_per_token.min
+
+    @property
+    def max_k(self) -> int:
+        k = self.experts_per_token.max
+        return k if k is not None else self.num_experts
+
+    @property
+    def default_k(self) -> int:
+        return self.experts_per_token.default
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierConfig:
+    labels: tuple[str, ...]
+    pooling: Pooling = "mean"
+    pooler_dense: bool = False  # BERT-style dense + tanh before the classification head
+
+    def __post_init__(self) -> None:
+        if len(self.labels) < 2:
+            raise ConfigError(f"classifier.labels needs at least 2 labels; got {list(self.labels)}")
+        _check_choice("classifier.pooling", self.pooling, POOLINGS)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The whole network. Derived sizes (head_dim, num_kv_heads) are completed in __post_init__."""
+
+    task: Task
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn: FFNConfig  # the FFN of every layer not listed in moe.layers
+    moe: MoEConfig | None = None
+    num_kv_heads: int | None = None  # grouped-query attention; None: num_heads
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    attention_bias: bool = False  # biases on q, k, v (output projection: attention_out_bias)
+    attention_out_bias: bool = False
+    position: PositionKind = "rotary"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    norm: NormKind = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_position: NormPosition = "pre"
+    final_norm: bool = True  # a norm after the last layer (pre-norm models)
+    embedding_scale: float = 1.0  # Transformer-XL multiplies embeddings by sqrt(d_model)
+    tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
+    classifier: ClassifierConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("task", self.task, TASKS)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            _check_positive(name, getattr(self, name))
+        _check_choice("position", self.position, POSITION_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
+                    "set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _check_positive("head_dim", self.head_dim)
+        _check_positive("num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ConfigError(f"rotary positions need an even head_dim; got {self.head_dim}")
+        if self.moe is not None:
+            bad = [i for i in self.moe.layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+            if bad or len(set(self.moe.layers)) != len(self.moe.layers):
+                raise ConfigError(
+                    f"moe.layers must be distinct layer indices in 0..{self.num_layers - 1}; got {list(self.moe.layers)}"
+                )
+            if self.moe.router.kind == "soft_merge" and self.task != "sequence_classification":
+                raise ConfigError(
+                    "router kind soft_merge decides once per complete input (SMEAR), so it is served for "
+                    "task sequence_classification only; this config has task causal_lm"
+                )
+        if self.task == "sequence_classification":
+            if self.classifier is None:
+                raise ConfigError("task sequence_classification needs a classifier section with labels")
+        elif self.classifier is not None:
+            raise ConfigError("classifier is only valid for task sequence_classification")
+        for name in ("bos_token_id", "eos_token_id"):
+            token = getattr(self, name)
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise ConfigError(f"{name} {token} is outside the vocabulary (size {self.vocab_size})")
+
+    @property
+    def is_causal(self) -> bool:
+        return self.task == "causal_lm"
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe.layers
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return _build(cls, data, "model")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(dataclasses.asdict(self))
+
+
+def _to_jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    return value
+
+
+_NESTED: dict[tuple[str, str], type] = {
+    ("ModelConfig", "ffn"): FFNConfig,
+    ("ModelConfig", "moe"): MoEConfig,
+    ("ModelConfig", "classifier"): ClassifierConfig,
+    ("MoEConfig", "expert"): FFNConfig,
+    ("MoEConfig", "shared_expert"): FFNConfig,
+    ("MoEConfig", "router"): RouterConfig,
+    ("MoEConfig", "experts_per_token"): ExpertsPerToken,
+}
+
+__all__ = [
+    "ClassifierConfig",
+    "ExpertsPerToken",
+    "FFNConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "RouterConfig",
+]

@@ -1,0 +1,64 @@
+"""Tokenizer wrapper over Hugging Face `tokenizers` (tokenizer.json), plus the byte-level tokenizer used
+by the demo models: one token per UTF-8 byte (ids 0..255) and an end-of-text token (id 256)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel pre-tokenizers emit)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_level_tokenizer() -> HFTokenizer:
+    """Token id b encodes byte b; id 256 is <|endoftext|> (used as BOS and EOS)."""
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab[END_OF_TEXT] = 256
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT])
+    return tokenizer
+
+
+class Tokenizer:
+    """encode/decode without special tokens added implicitly; the engine adds BOS where the model wants it."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> None:
+        self._tokenizer.save(str(path))
