@@ -117,18 +117,19 @@ class LLM:
         *,
         return_token_logprobs: bool = False,
     ) -> list[ScoreOutput]:
-        """Log-likelihood of each text under the LM. With a BOS token every text token is scored;
-        without one the first token has no context and is not scored."""
+        """Log-likelihood of each text under the LM. Every token after the first is scored; models with
+        add_bos_token start the text with BOS, so all of the text's own tokens are scored."""
         self._require_task("causal_lm", "score")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
-        bos = self.config.bos_token_id
         sequences = []
         for text in text_list:
             ids = self._encode_text(text, "input")
-            if bos is None and len(ids) < 2:
-                raise ValidationError("input must have at least 2 tokens to be scored (this model has no BOS token)", parameter="input")
-            sequences.append(([bos] if bos is not None else []) + ids)
+            if len(ids) < 2:
+                raise ValidationError(
+                    "input must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
+                )
+            sequences.append(ids)
         results: list[ScoreOutput] = []
         for chunk in self._chunks(len(text_list)):
             batch = [sequences[i] for i in chunk]
@@ -178,14 +179,19 @@ class LLM:
         return list(prompt)
 
     def _encode_text(self, text: str, parameter: str) -> list[int]:
+        """Token ids of a text input, starting with BOS for models that want it."""
         if not isinstance(text, str):
             raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
         ids = self.tokenizer.encode(text)
         if not ids:
             raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
-        limit = self.engine.max_model_len - (1 if self.config.bos_token_id is not None else 0)
-        if len(ids) > limit:
-            raise ValidationError(f"{parameter} has {len(ids)} tokens; this model accepts at most {limit}", parameter=parameter)
+        if self.config.add_bos_token:
+            ids = [self.config.bos_token_id, *ids]  # type: ignore[list-item]  # checked by ModelConfig
+        if len(ids) > self.engine.max_model_len:
+            raise ValidationError(
+                f"{parameter} has {len(ids)} tokens; this model's context is {self.engine.max_model_len} tokens",
+                parameter=parameter,
+            )
         return ids
 
     def _chunks(self, count: int) -> list[list[int]]:

@@ -64,10 +64,14 @@ def _build(cls: type, data: Any, where: str) -> Any:
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise ConfigError(f"{where}: {exc}") from None
+    required = [
+        f.name for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise ConfigError(f"{where}: missing required field '{missing[0]}'")
+    return cls(**kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +200,7 @@ class ModelConfig:
     classifier: ClassifierConfig | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    add_bos_token: bool = False  # text inputs start with bos_token_id
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
@@ -236,6 +241,8 @@ class ModelConfig:
                 raise ConfigError("task sequence_classification needs a classifier section with labels")
         elif self.classifier is not None:
             raise ConfigError("classifier is only valid for task sequence_classification")
+        if self.add_bos_token and self.bos_token_id is None:
+            raise ConfigError("add_bos_token needs bos_token_id")
         for name in ("bos_token_id", "eos_token_id"):
             token = getattr(self, name)
             if token is not None and not 0 <= token < self.vocab_size:

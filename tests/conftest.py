@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight configs and artifacts built inside the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
+from moe_serve.testing import create_random_artifact
+
+NUM_EXPERTS = 4
+
+
+def lm_config(**overrides) -> ModelConfig:
+    """A baby causal LM: vocab 260 (byte tokenizer), hidden 32, 2 layers, MoE in layer 1, 4 experts, k=2."""
+    moe = MoEConfig(
+        num_experts=NUM_EXPERTS,
+        layers=(1,),
+        expert=FFNConfig("glu", 48),
+        router=RouterConfig("topk_softmax"),
+        experts_per_token=ExpertsPerToken(default=2),
+    )
+    base = ModelConfig(
+        task="causal_lm",
+        vocab_size=260,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn=FFNConfig("mlp", 64, "gelu", use_bias=True),
+        moe=moe,
+        position="rotary",
+        max_position_embeddings=256,
+        bos_token_id=256,
+        eos_token_id=256,
+        add_bos_token=True,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def moe_config(**overrides) -> MoEConfig:
+    return dataclasses.replace(lm_config().moe, **overrides)  # type: ignore[arg-type]
+
+
+def classifier_config(**overrides) -> ModelConfig:
+    base = lm_config(
+        task="sequence_classification",
+        position="learned",
+        norm="layernorm",
+        classifier=ClassifierConfig(labels=("comedy", "history", "tragedy"), pooling="mean"),
+        moe=moe_config(
+            expert=FFNConfig("adapter", 16, "silu"),
+            router=RouterConfig("soft_merge", input_norm="layernorm"),
+            experts_per_token=ExpertsPerToken(default=NUM_EXPERTS),
+        ),
+        bos_token_id=None,
+        eos_token_id=None,
+        add_bos_token=False,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+@pytest.fixture
+def make_artifact(tmp_path: Path):
+    counter = iter(range(10_000))
+
+    def make(config: ModelConfig | None = None, seed: int = 0, **kwargs) -> Path:
+        return create_random_artifact(tmp_path / f"artifact-{next(counter)}", config or lm_config(), seed=seed, **kwargs)
+
+    return make

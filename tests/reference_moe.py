@@ -1,0 +1,114 @@
+"""A slow, obviously correct MoE layer: plain Python loops over sequences, tokens and chosen experts,
+reading the block's weights directly. It shares no code with the fast path (moe_serve/layers)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+from moe_serve.layers.moe import MoEBlock
+from moe_serve.model_config import FFNConfig
+
+ACT = {
+    "relu": lambda v: torch.clamp(v, min=0),
+    "gelu": lambda v: 0.5 * v * (1 + torch.erf(v / math.sqrt(2))),
+    "gelu_tanh": lambda v: 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))),
+    "silu": lambda v: v * torch.sigmoid(v),
+}
+
+
+def expert_params(block: MoEBlock, e: int) -> dict[str, torch.Tensor | None]:
+    bank = block.experts
+    params: dict[str, torch.Tensor | None] = {}
+    for name in bank.shapes:
+        linear = getattr(bank, name)
+        params[name + ".weight"] = linear.weight[e]
+        params[name + ".bias"] = None if linear.bias is None else linear.bias[e]
+    return params
+
+
+def run_expert(config: FFNConfig, params: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+    """One expert on one token vector x [D], written out per kind."""
+
+    def lin(name: str, v: torch.Tensor) -> torch.Tensor:
+        w, b = params[name + ".weight"], params[name + ".bias"]
+        out = torch.mv(w, v)  # type: ignore[arg-type]
+        return out if b is None else out + b
+
+    act = ACT[config.activation]
+    if config.kind == "mlp":
+        return lin("fc2", act(lin("fc1", x)))
+    if config.kind == "glu":
+        return lin("down_proj", act(lin("gate_proj", x)) * lin("up_proj", x))
+    return lin("up", act(lin("down", x)))
+
+
+def choose(logits: list[float], k: int) -> list[int]:
+    """Top-k indices, largest logit first, ties to the lower index."""
+    return sorted(range(len(logits)), key=lambda i: (-logits[i], i))[:k]
+
+
+def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: list[int]) -> list[float]:
+    if kind == "topk_uniform":
+        return [1.0 / len(chosen)] * len(chosen)
+    if kind == "topk_softmax" and not normalize:
+        z = sum(math.exp(v) for v in logits)
+        return [math.exp(logits[i]) / z for i in chosen]
+    z = sum(math.exp(logits[i]) for i in chosen)
+    return [math.exp(logits[i]) / z for i in chosen]
+
+
+def reference_moe(block: MoEBlock, x: torch.Tensor, token_mask: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """x [B, L, D], token_mask [B, L], ks: k of each sequence -> [B, L, D] (padding rows zero)."""
+    cfg = block.config
+    out = torch.zeros_like(x)
+    w_router = block.router.weight.double()
+    b_router = None if block.router.bias is None else block.router.bias.double()
+    for b in range(x.shape[0]):
+        positions = [l for l in range(x.shape[1]) if token_mask[b, l]]
+        if cfg.router.kind == "soft_merge":
+            pooled = sum(x[b, l].double() for l in positions) / len(positions)
+            if cfg.router.input_norm == "layernorm":
+                norm = block.router_norm
+                pooled = F.layer_norm(pooled, pooled.shape, norm.weight.double(), norm.bias.double(), norm.eps)
+            logits = torch.mv(w_router, pooled).tolist()
+            chosen = choose(logits, ks[b])
+            weights = combine_weights("topk_softmax", True, logits, chosen)
+            merged: dict[str, torch.Tensor | None] = {}
+            for e, w in zip(chosen, weights):
+                for name, p in expert_params(block, e).items():
+                    if p is not None:
+                        merged[name] = merged.get(name, 0) + w * p.double()  # type: ignore[operator]
+                    else:
+                        merged[name] = None
+            for l in positions:
+                out[b, l] = run_expert(cfg.expert, merged, x[b, l].double()).to(x.dtype)
+        else:
+            for l in positions:
+                token = x[b, l].double()
+                logits = torch.mv(w_router, token)
+                if b_router is not None:
+                    logits = logits + b_router
+                logits = logits.tolist()
+                chosen = choose(logits, ks[b])
+                weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
+                y = torch.zeros_like(token)
+                for e, w in zip(chosen, weights):
+                    params = {n: None if p is None else p.double() for n, p in expert_params(block, e).items()}
+                    y = y + w * run_expert(cfg.expert, params, token)
+                out[b, l] = y.to(x.dtype)
+        if cfg.shared_expert is not None:
+            shared = block.shared_expert
+            for l in positions:
+                params = {}
+                for name in dict(shared.named_children()):
+                    linear = getattr(shared, name)
+                    params[name + ".weight"] = linear.weight.double()
+                    params[name + ".bias"] = None if linear.bias is None else linear.bias.double()
+                y = run_expert(cfg.shared_expert, params, x[b, l].double())
+                if cfg.shared_expert_gate:
+                    y = y * torch.sigmoid(torch.dot(block.shared_expert_gate.weight[0].double(), x[b, l].double()))
+                out[b, l] = out[b, l] + y.to(x.dtype)
+    return out

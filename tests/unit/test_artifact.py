@@ -1,0 +1,144 @@
+"""Artifact save/load round trip, and one clear error per kind of bad artifact."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_serve import LLM
+from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, load_artifact, save_artifact, sha256_file
+from moe_serve.errors import ArtifactError, ConfigError
+from moe_serve.model_config import ModelConfig
+from moe_serve.testing import random_state_dict
+from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
+from tests.conftest import classifier_config, lm_config
+
+
+def edit_config(path: Path, edit) -> None:
+    manifest = json.loads((path / CONFIG_FILE).read_text())
+    edit(manifest)
+    (path / CONFIG_FILE).write_text(json.dumps(manifest))
+
+
+def edit_weights(path: Path, edit) -> None:
+    """Rewrite model.safetensors and record its new checksum, so only the tensor problem remains."""
+    tensors = load_file(path / WEIGHTS_FILE)
+    edit(tensors)
+    save_file(tensors, path / WEIGHTS_FILE)
+    edit_config(path, lambda m: m["checksums"].__setitem__(WEIGHTS_FILE, sha256_file(path / WEIGHTS_FILE)))
+
+
+@pytest.mark.parametrize("config", [lm_config(), classifier_config()], ids=["causal_lm", "classifier"])
+def test_round_trip_preserves_config_tensors_and_tokenizer(tmp_path: Path, config: ModelConfig) -> None:
+    state = random_state_dict(config, seed=3)
+    tokenizer = Tokenizer(byte_level_tokenizer())
+    path = save_artifact(tmp_path / "a", config, state, tokenizer, provenance={"exporter": "test"})
+    artifact = load_artifact(path)
+    assert artifact.config == config
+    assert artifact.provenance["exporter"] == "test"
+    loaded = artifact.model.state_dict()
+    assert loaded.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert artifact.tokenizer.encode("Exit, pursued by a bear.") == tokenizer.encode("Exit, pursued by a bear.")
+
+
+def test_half_precision_storage_loads_as_fp32(tmp_path: Path) -> None:
+    config = lm_config()
+    state = random_state_dict(config)
+    path = save_artifact(tmp_path / "a", config, state, Tokenizer(byte_level_tokenizer()), dtype=torch.bfloat16)
+    assert (path / WEIGHTS_FILE).stat().st_size < sum(t.numel() for t in state.values()) * 2 + 100_000
+    artifact = load_artifact(path)
+    weight = artifact.model.embed_tokens.weight
+    assert weight.dtype == torch.float32
+    assert torch.equal(weight, state["embed_tokens.weight"].to(torch.bfloat16).float())
+
+
+BAD_CONFIGS = {
+    "unknown format_version": (lambda m: m.__setitem__("format_version", 99), "unknown format_version 99"),
+    "unknown router kind": (lambda m: m["model"]["moe"]["router"].__setitem__("kind", "expert_choice"), "router kind must be one of"),
+    "k above num_experts": (
+        lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("max", 9),
+        "experts_per_token range must satisfy 1 <= min <= default <= max <= num_experts (4)",
+    ),
+    "k default zero": (lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("default", 0), "experts_per_token.default must be a positive integer"),
+    "not a moe-serve config": (lambda m: m.__setitem__("format", "gguf"), 'is not a moe-serve artifact config'),
+    "missing field": (lambda m: m["model"].pop("hidden_size"), "model: missing required field 'hidden_size'"),
+}
+
+
+@pytest.mark.parametrize("edit,message", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+def test_bad_config_is_refused_with_a_clear_message(make_artifact, edit, message: str) -> None:
+    path = make_artifact()
+    edit_config(path, edit)
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        load_artifact(path)
+
+
+BAD_WEIGHTS = {
+    "missing tensor": (lambda t: t.pop("layers.1.moe.router.weight"), r"missing tensor 'layers.1.moe.router.weight' \(expected shape \[4, 32\]\)"),
+    "unexpected tensor": (lambda t: t.__setitem__("layers.0.moe.router.weight", torch.zeros(4, 32)), "unexpected tensor 'layers.0.moe.router.weight'"),
+    "wrong shape": (
+        lambda t: t.__setitem__("layers.1.moe.experts.down_proj.weight", torch.zeros(4, 32, 47)),
+        r"tensor 'layers.1.moe.experts.down_proj.weight' has shape \[4, 32, 47\], expected \[4, 32, 48\]",
+    ),
+    "integer dtype": (lambda t: t.__setitem__("norm.weight", torch.ones(32, dtype=torch.int32)), "tensor 'norm.weight' has dtype I32"),
+}
+
+
+@pytest.mark.parametrize("edit,pattern", BAD_WEIGHTS.values(), ids=BAD_WEIGHTS.keys())
+def test_bad_tensors_are_refused_naming_the_tensor(make_artifact, edit, pattern: str) -> None:
+    path = make_artifact()
+    edit_weights(path, edit)
+    with pytest.raises(ArtifactError, match=pattern):
+        load_artifact(path)
+
+
+def test_checksum_mismatch_is_refused(make_artifact) -> None:
+    path = make_artifact()
+    data = bytearray((path / WEIGHTS_FILE).read_bytes())
+    data[-1] ^= 0xFF  # flip bits in the last weight byte
+    (path / WEIGHTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="checksum mismatch for model.safetensors: config.json records sha256"):
+        load_artifact(path)
+    load_artifact(path, verify_checksums=False)  # the user can opt out knowingly
+
+
+def test_missing_files_and_directories(make_artifact, tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="is not an artifact directory"):
+        load_artifact(tmp_path / "nope")
+    path = make_artifact()
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="has no tokenizer.json"):
+        load_artifact(path)
+    (path / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ArtifactError, match="config.json is not valid JSON"):
+        load_artifact(path)
+
+
+def test_llm_names_a_missing_model(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="no artifact directory .*no bundled model of that name"):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_failed_save_leaves_no_partial_artifact(tmp_path: Path) -> None:
+    config = lm_config()
+    state = random_state_dict(config)
+    state["layers.1.moe.router.weight"] = torch.zeros(3, 32)
+    with pytest.raises(ArtifactError, match="has shape \\[3, 32\\], expected \\[4, 32\\]"):
+        save_artifact(tmp_path / "dst", config, state, Tokenizer(byte_level_tokenizer()))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_rejects_soft_merge_for_causal_lm() -> None:
+    import dataclasses
+
+    moe = dataclasses.replace(classifier_config().moe)
+    with pytest.raises(ConfigError, match="soft_merge decides once per complete input"):
+        lm_config(moe=moe)
+

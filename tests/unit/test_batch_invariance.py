@@ -1,0 +1,68 @@
+"""A request's result does not depend on what it is batched with (DESIGN §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.testing import create_random_artifact
+from tests.conftest import NUM_EXPERTS, lm_config, moe_config
+
+OTHER_PROMPTS = [
+    "To be, or not to be",
+    "x",
+    "Now is the winter of our discontent made glorious summer",
+    "O Romeo, Romeo!",
+    "All the world's a stage, and all the men and women merely players",
+    "?",
+    "Friends, Romans, countrymen, lend me your ears",
+]
+TARGET = "Good night, good night! parting is such sweet sorrow"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    """Three layers with MoE in layers 0 and 2, so k acts twice per token."""
+    config = lm_config(num_layers=3, moe=moe_config(layers=(0, 2)))
+    return LLM(create_random_artifact(tmp_path_factory.mktemp("invariance") / "model", config, seed=11))
+
+
+@pytest.mark.parametrize("k", range(1, NUM_EXPERTS + 1))
+def test_greedy_tokens_and_logprobs_alone_vs_in_a_mixed_batch(llm: LLM, k: int) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, experts_per_token=k, logprobs=5, ignore_eos=True)
+    alone = llm.generate([TARGET], params)[0].outputs[0]
+    others = [
+        SamplingParams(max_tokens=3 + i, temperature=0 if i % 2 else 0.9, seed=i, experts_per_token=1 + (i + k) % NUM_EXPERTS)
+        for i in range(len(OTHER_PROMPTS))
+    ]
+    position = k % (len(OTHER_PROMPTS) + 1)
+    prompts = OTHER_PROMPTS[:position] + [TARGET] + OTHER_PROMPTS[position:]
+    all_params = others[:position] + [params] + others[position:]
+    assert len(prompts) == 8
+    batched = llm.generate(prompts, all_params)[position].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    for a, b in zip(alone.top_logprobs, batched.top_logprobs):
+        assert a.keys() == b.keys()
+        torch.testing.assert_close(torch.tensor(list(b.values())), torch.tensor(list(a.values())), atol=1e-5, rtol=0)
+
+
+def test_full_logits_alone_vs_padded_batch_with_other_k(llm: LLM) -> None:
+    tokenizer, runner, model = llm.tokenizer, llm.engine.runner, llm.artifact.model
+    target = tokenizer.encode(TARGET)
+    with torch.inference_mode():
+        hidden, _ = runner.forward([target], [3])
+        alone = model.lm_logits(hidden)[0]
+        batch = [tokenizer.encode(p) for p in OTHER_PROMPTS]
+        hidden, _ = runner.forward(batch[:4] + [target] + batch[4:], [1, 4, 2, 1, 3, 4, 2, 1])
+        together = model.lm_logits(hidden)[4, : len(target)]
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_sampling_alone_vs_in_batch(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, experts_per_token=2)
+    alone = llm.generate([TARGET], params)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=5, temperature=0.7, experts_per_token=4) for _ in OTHER_PROMPTS]
+    batched = llm.generate(OTHER_PROMPTS + [TARGET], others + [params])[-1].outputs[0].token_ids
+    assert batched == alone
