@@ -1,0 +1,85 @@
+"""A summary of an artifact: architecture, MoE spec, and parameter counts (total, and active per token
+at each k) computed from the config alone, without loading weights."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from moe_serve.artifact import expected_tensors, read_manifest
+
+
+def summarize(path: Path) -> dict[str, Any]:
+    manifest, config = read_manifest(path)
+    shapes = expected_tensors(config)
+    total = sum(math.prod(s) for s in shapes.values())
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "format_version": manifest["format_version"],
+        "task": config.task,
+        "architecture": {
+            "layers": config.num_layers,
+            "hidden_size": config.hidden_size,
+            "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "position": config.position,
+            "norm": f"{config.norm} ({config.norm_position})",
+            "vocab_size": config.vocab_size,
+            "max_position_embeddings": config.max_position_embeddings,
+            "dense_ffn": f"{config.ffn.kind} {config.ffn.activation} x{config.ffn.intermediate_size}",
+        },
+        "parameters": {"total": total},
+        "provenance": manifest.get("provenance", {}),
+    }
+    if config.classifier is not None:
+        summary["labels"] = list(config.classifier.labels)
+    moe = config.moe
+    if moe is not None:
+        per_expert = sum(math.prod(s[1:]) for n, s in shapes.items() if f"layers.{moe.layers[0]}.moe.experts." in n)
+        idle = per_expert * len(moe.layers)  # parameters of one expert slot across all MoE layers
+        active = {}
+        for k in range(moe.min_k, moe.max_k + 1):
+            # soft_merge applies one merged expert per token whatever k is (k experts are averaged first).
+            used = 1 if moe.router.kind == "soft_merge" else k
+            active[str(k)] = total - (moe.num_experts - used) * idle
+        summary["moe"] = {
+            "layers": list(moe.layers),
+            "num_experts": moe.num_experts,
+            "expert": f"{moe.expert.kind} {moe.expert.activation} x{moe.expert.intermediate_size}",
+            "router": moe.router.kind + ("" if moe.router.normalize or moe.router.kind != "topk_softmax" else " (normalize=false)"),
+            "experts_per_token": {"default": moe.default_k, "min": moe.min_k, "max": moe.max_k},
+            "shared_expert": None if moe.shared_expert is None else f"{moe.shared_expert.kind} x{moe.shared_expert.intermediate_size}"
+            + (" (sigmoid-gated)" if moe.shared_expert_gate else ""),
+        }
+        summary["parameters"]["per_expert_per_layer"] = per_expert
+        summary["parameters"]["active_per_token"] = active
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"{summary['path']}  ({summary['task']}, format v{summary['format_version']})"]
+    arch = summary["architecture"]
+    lines.append(
+        f"  {arch['layers']} layers, hidden {arch['hidden_size']}, {arch['heads']} heads ({arch['kv_heads']} kv, dim {arch['head_dim']}), "
+        f"{arch['position']} positions, {arch['norm']}, vocab {arch['vocab_size']}, context {arch['max_position_embeddings']}"
+    )
+    lines.append(f"  dense FFN: {arch['dense_ffn']}")
+    if "labels" in summary:
+        lines.append(f"  labels: {', '.join(summary['labels'])}")
+    moe = summary.get("moe")
+    if moe:
+        k = moe["experts_per_token"]
+        lines.append(f"  MoE layers {moe['layers']}: {moe['num_experts']} experts ({moe['expert']}), router {moe['router']}")
+        lines.append(f"  experts_per_token: default {k['default']}, allowed {k['min']}..{k['max']}")
+        if moe["shared_expert"]:
+            lines.append(f"  shared expert: {moe['shared_expert']}")
+    params = summary["parameters"]
+    lines.append(f"  parameters: {params['total']:,} total")
+    for k, count in params.get("active_per_token", {}).items():
+        lines.append(f"    active per token at k={k}: {count:,} ({100 * count / params['total']:.1f}%)")
+    provenance = summary.get("provenance") or {}
+    if provenance:
+        lines.append("  provenance: " + ", ".join(f"{key}={value}" for key, value in provenance.items()))
+    return "\n".join(lines)

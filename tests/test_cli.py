@@ -1,0 +1,76 @@
+"""The moe-serve command line, run as a user runs it (a subprocess of the installed console script)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import classifier_config
+
+CLI = [sys.executable, "-m", "moe_serve.cli"]
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_generate_json_reports_k_and_completions(make_artifact) -> None:
+    path = make_artifact()
+    out = json.loads(run("generate", str(path), "--prompt", "ROMEO.", "--prompt", "JULIET.", "--max-tokens", "5",
+                         "-k", "3", "--seed", "1", "--json").stdout)
+    assert [o["prompt"] for o in out] == ["ROMEO.", "JULIET."]
+    assert all(o["experts_per_token"] == 3 for o in out)
+    assert all(c["num_tokens"] <= 5 for o in out for c in o["completions"])
+
+
+def test_score_and_classify(make_artifact) -> None:
+    lm = make_artifact()
+    scored = json.loads(run("score", str(lm), "To be, or not to be", "--json").stdout)
+    assert scored[0]["num_bytes"] == 19 and scored[0]["bits_per_byte"] > 0 and scored[0]["experts_per_token"] == 2
+    clf = make_artifact(classifier_config())
+    text = run("classify", str(clf), "Now is the winter of our discontent", "-k", "2").stdout
+    label = text.split("\t")[0]
+    assert label in {"comedy", "history", "tragedy"} and "approximate" in text
+
+
+def test_inspect_lists_experts_and_active_parameters(make_artifact) -> None:
+    path = make_artifact()
+    summary = json.loads(run("inspect", str(path), "--json").stdout)
+    assert summary["moe"]["num_experts"] == 4
+    assert summary["moe"]["experts_per_token"] == {"default": 2, "min": 1, "max": 4}
+    active = summary["parameters"]["active_per_token"]
+    assert list(active) == ["1", "2", "3", "4"]
+    step = summary["parameters"]["per_expert_per_layer"]
+    assert active["4"] == summary["parameters"]["total"] and active["2"] - active["1"] == step
+    human = run("inspect", str(path)).stdout
+    assert "experts_per_token: default 2, allowed 1..4" in human
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["generate", "{model}", "--prompt", "x", "-k", "0"], "experts_per_token must be at least 1, got 0"),
+        (["generate", "{model}", "--prompt", "x", "-k", "5"], "experts_per_token must be between 1 and 4, got 5"),
+        (["generate", "{model}", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["score", "/nonexistent/model", "x"], "no artifact directory '/nonexistent/model'"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(make_artifact, args: list[str], message: str) -> None:
+    path = make_artifact()
+    result = run(*[a.format(model=path) for a in args], check=False)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_readme_example_artifact_is_current() -> None:
+    """examples/tiny-moe is what examples/make_tiny_moe.py writes (the README's quick start uses it)."""
+    root = Path(__file__).resolve().parents[1]
+    out = run("generate", str(root / "examples/tiny-moe"), "--prompt", "ROMEO.", "--max-tokens", "4", "-k", "8", "--json")
+    assert json.loads(out.stdout)[0]["experts_per_token"] == 8
