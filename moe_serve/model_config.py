@@ -23,6 +23,8 @@ ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 RouterKind = Literal["topk_softmax", "topk_uniform", "soft_merge"]
 Pooling = Literal["mean", "first", "last"]
+QKNorm = Literal["per_head", "full"]
+RopeType = Literal["linear", "yarn"]
 
 TASKS = ("causal_lm", "sequence_classification")
 POSITION_KINDS = ("learned", "rotary", "relative")
@@ -32,6 +34,8 @@ EXPERT_KINDS = ("mlp", "glu", "adapter")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 ROUTER_KINDS = ("topk_softmax", "topk_uniform", "soft_merge")
 POOLINGS = ("mean", "first", "last")
+QK_NORMS = ("per_head", "full")
+ROPE_TYPES = ("linear", "yarn")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -173,6 +177,29 @@ class ClassifierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary scaling as Hugging Face defines it: `linear` divides the frequencies by `factor`; `yarn`
+    blends interpolated and extrapolated frequencies and scales cos/sin by an attention factor."""
+
+    type: RopeType
+    factor: float
+    original_max_position_embeddings: int | None = None  # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("rope_scaling.type", self.type, ROPE_TYPES)
+        if not isinstance(self.factor, (int, float)) or self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be a positive number; got {self.factor!r}")
+        if self.type == "yarn" and self.original_max_position_embeddings is None:
+            raise ConfigError("rope_scaling of type yarn needs original_max_position_embeddings")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The whole network. Derived sizes (head_dim, num_kv_heads) are completed in __post_init__."""
 
@@ -190,6 +217,9 @@ class ModelConfig:
     position: PositionKind = "rotary"
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qk_norm: QKNorm | None = None  # RMSNorm on q and k: per head (Qwen3-MoE) or over all heads (OLMoE)
+    qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] (OLMoE's clip_qkv)
     norm: NormKind = "rmsnorm"
     norm_eps: float = 1e-5
     norm_position: NormPosition = "pre"
@@ -199,7 +229,7 @@ class ModelConfig:
     lm_head_bias: bool = False
     classifier: ClassifierConfig | None = None
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one id, or several that all end generation
     add_bos_token: bool = False  # text inputs start with bos_token_id
     chat_template: str | None = None
 
@@ -223,6 +253,10 @@ class ModelConfig:
         _check_positive("num_kv_heads", self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.qk_norm is not None:
+            _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        if self.rope_scaling is not None and self.position != "rotary":
+            raise ConfigError("rope_scaling needs position rotary")
         if self.position == "rotary" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head_dim; got {self.head_dim}")
         if self.moe is not None:
@@ -243,10 +277,16 @@ class ModelConfig:
             raise ConfigError("classifier is only valid for task sequence_classification")
         if self.add_bos_token and self.bos_token_id is None:
             raise ConfigError("add_bos_token needs bos_token_id")
-        for name in ("bos_token_id", "eos_token_id"):
-            token = getattr(self, name)
-            if token is not None and not 0 <= token < self.vocab_size:
-                raise ConfigError(f"{name} {token} is outside the vocabulary (size {self.vocab_size})")
+        for name, tokens in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", self.eos_token_ids)):
+            for token in tokens:
+                if token is not None and not (isinstance(token, int) and 0 <= token < self.vocab_size):
+                    raise ConfigError(f"{name} {token} is outside the vocabulary (size {self.vocab_size})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     @property
     def is_causal(self) -> bool:
@@ -275,6 +315,7 @@ _NESTED: dict[tuple[str, str], type] = {
     ("ModelConfig", "ffn"): FFNConfig,
     ("ModelConfig", "moe"): MoEConfig,
     ("ModelConfig", "classifier"): ClassifierConfig,
+    ("ModelConfig", "rope_scaling"): RopeScaling,
     ("MoEConfig", "expert"): FFNConfig,
     ("MoEConfig", "shared_expert"): FFNConfig,
     ("MoEConfig", "router"): RouterConfig,
@@ -287,5 +328,6 @@ __all__ = [
     "FFNConfig",
     "ModelConfig",
     "MoEConfig",
+    "RopeScaling",
     "RouterConfig",
 ]

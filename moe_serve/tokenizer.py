@@ -54,6 +54,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """As the source tokenizer would (its post-processor may add BOS/EOS); used by exporters."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 

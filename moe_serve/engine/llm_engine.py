@@ -32,6 +32,7 @@ class LLMEngine:
         positions = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.cache: KVCache | None = None
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seq_ids = itertools.count()
@@ -147,8 +148,7 @@ class LLMEngine:
 
     def _check_finished(self, seq: Sequence) -> None:
         params = seq.params
-        eos = self.model_config.eos_token_id
-        if eos is not None and seq.output_token_ids[-1] == eos and not params.ignore_eos:
+        if seq.output_token_ids[-1] in self.eos_token_ids and not params.ignore_eos:
             seq.output_token_ids.pop()
             seq.output_logprobs.pop()
             seq.top_logprobs.pop()

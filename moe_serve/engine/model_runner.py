@@ -45,6 +45,7 @@ class ModelRunner:
                 slot_ids=torch.tensor(slots, device=self.device),
                 context_lens=context_lens.to(self.device),
                 max_context_len=int(context_lens.max()),
+                first_slot=slots[0] if slots == list(range(slots[0], slots[0] + b)) else None,
             )
         layout = BatchLayout(positions=positions.to(self.device), token_mask=token_mask.to(self.device), **layout_kwargs)
         top_k = torch.tensor(experts_per_token, device=self.device)

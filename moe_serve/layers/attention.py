@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import apply_rotary, rotary_cos_sin, sinusoid_relative
 from moe_serve.model_config import ModelConfig
 
@@ -29,6 +30,8 @@ class BatchLayout:
     slot_ids:        [B] KV-cache rows of the sequences (None: no cache, keys are the batch's own tokens)
     context_lens:    [B] number of cached positions valid after this step (cache only)
     max_context_len: host int, max(context_lens) (cache only), so no device sync is needed to slice
+    first_slot:      host int when slot_ids are consecutive (first_slot, first_slot + 1, ...): the cache
+                     is then read as a view instead of gathered
     """
 
     positions: torch.Tensor
@@ -36,6 +39,7 @@ class BatchLayout:
     slot_ids: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int = 0
+    first_slot: int | None = None
 
 
 class Attention(nn.Module):
@@ -47,11 +51,19 @@ class Attention(nn.Module):
         self.is_causal = config.is_causal
         self.position = config.position
         self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
+        self.qkv_clip = config.qkv_clip
         self.scale = dh**-0.5
         self.q_proj = nn.Linear(d, h * dh, bias=config.attention_bias)
         self.k_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm is not None:
+            # per_head: one RMSNorm over each head's Dh (Qwen3-MoE); full: over all heads at once (OLMoE).
+            q_dim, k_dim = (dh, dh) if config.qk_norm == "per_head" else (h * dh, g * dh)
+            self.q_norm = RMSNorm(q_dim, config.norm_eps)
+            self.k_norm = RMSNorm(k_dim, config.norm_eps)
         if config.position == "relative":
             # Transformer-XL: projection of the sinusoidal relative embedding and the two learned biases.
             self.r_proj = nn.Linear(d, h * dh, bias=False)
@@ -66,11 +78,19 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,  # each [slots, G, max_len, Dh]
     ) -> torch.Tensor:
         b, l, _ = x.shape
-        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, L, Dh]
-        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, L, Dh]
-        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, L, Dh]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, H*Dh], [B, L, G*Dh] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qkv_clip is not None:
+            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
+        q = q.view(b, l, self.num_heads, self.head_dim)  # [B, L, H, Dh]
+        k = k.view(b, l, self.num_kv_heads, self.head_dim)  # [B, L, G, Dh]
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, L, Dh], [B, G, L, Dh]
+        v = v.view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, L, Dh]
         if self.position == "rotary":
-            cos, sin = rotary_cos_sin(layout.positions, self.head_dim, self.rope_theta)
+            cos, sin = rotary_cos_sin(layout.positions, self.head_dim, self.rope_theta, self.rope_scaling)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if kv_cache is None:
@@ -114,7 +134,10 @@ class Attention(nn.Module):
         k_cache[slots, :, positions] = k.transpose(1, 2)[mask]  # [T, G, Dh]
         v_cache[slots, :, positions] = v.transpose(1, 2)[mask]
         s = layout.max_context_len
-        return k_cache[layout.slot_ids, :, :s], v_cache[layout.slot_ids, :, :s]  # [B, G, S, Dh]
+        if layout.first_slot is not None:  # consecutive slots: a view, no copy of the cache
+            rows = slice(layout.first_slot, layout.first_slot + len(layout.slot_ids))
+            return k_cache[rows, :, :s], v_cache[rows, :, :s]  # [B, G, S, Dh]
+        return k_cache[layout.slot_ids, :, :s], v_cache[layout.slot_ids, :, :s]
 
     def _relative_bias(
         self,

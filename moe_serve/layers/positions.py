@@ -4,15 +4,60 @@ the model has no non-persistent buffers and can be built on the meta device."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from moe_serve.model_config import RopeScaling
 
-def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rotary_inv_freq(dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale, exactly as Hugging Face computes them."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    return _yarn(dim, theta, scaling, exponents)
+
+
+def _yarn(dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+        else:
+            attention_factor = mscale(s.factor)
+    assert s.original_max_position_embeddings is not None
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=exponents.device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta**exponents
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [*positions.shape, dim] in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim))
+    inv_freq, scale = rotary_inv_freq(dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., dim]
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""What every exporter shares: reading safetensors checkpoints (single file or sharded with an index),
+hashing the source, and the error type. Exporters run offline; the runtime never imports them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_serve.errors import MoEServeError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
+
+
+class ExportError(MoEServeError):
+    """The source cannot be exported; the message names the file, key or field."""
+
+
+class SafetensorsCheckpoint:
+    """Tensor names -> lazily read tensors across one file or the shards of an index file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        if (directory / INDEX_FILE).is_file():
+            try:
+                weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ExportError(f"{directory / INDEX_FILE} is not a valid safetensors index: {exc}") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (directory / f).is_file()]
+            if missing:
+                raise ExportError(f"missing shard {missing[0]} listed in {INDEX_FILE}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            self.files = [directory / f for f in files]
+        elif (directory / SINGLE_FILE).is_file():
+            self.files = [directory / SINGLE_FILE]
+        else:
+            pickled = [name for name in PICKLE_FILES if (directory / name).exists()]
+            if pickled:
+                raise ExportError(
+                    f"{directory} holds only a pickle checkpoint ({pickled[0]}); only safetensors are read "
+                    "(convert it with transformers' save_pretrained(..., safe_serialization=True) where you trust it)"
+                )
+            raise ExportError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for path in self.files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._file_of[name] = path
+                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def keys(self) -> Iterable[str]:
+        return self._file_of.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor; a missing name or a shape other than `shape` raises ExportError naming it."""
+        if name not in self._file_of:
+            raise ExportError(f"checkpoint tensor '{name}' is missing")
+        if shape is not None and self._shapes[name] != tuple(shape):
+            raise ExportError(f"checkpoint tensor '{name}' has shape {list(self._shapes[name])}, expected {list(shape)}")
+        with safe_open(str(self._file_of[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def sha256(self) -> str:
+        """One digest over the checkpoint files, in name order."""
+        digest = hashlib.sha256()
+        for path in sorted(self.files):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+        return digest.hexdigest()
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ExportError(f"{path.parent} has no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{path} is not valid JSON: {exc}") from None
