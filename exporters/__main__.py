@@ -1,4 +1,8 @@
-"""python -m exporters FORMAT SRC DST [--dtype float32|bfloat16|float16] [--overwrite]"""
+"""python -m exporters FORMAT SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
+
+Formats: hf (Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directories); hyperrouter, smoe,
+txl-dense (Transformer-XL recipes); moesart, smear, topk (encoder classifier recipes).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,9 +21,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _exporters() -> dict[str, Callable[..., Path]]:
+    from exporters import genre_encoder, transformer_xl
     from exporters.hf import export_hf
 
-    return {"hf": export_hf}
+    formats: dict[str, Callable[..., Path]] = {"hf": export_hf}
+    for fmt in transformer_xl.METHODS:
+        formats[fmt] = partial(transformer_xl.export, fmt)
+    for fmt in genre_encoder.FOLDED:
+        formats[fmt] = partial(genre_encoder.export, fmt)
+    return formats
 
 
 def main(argv: Sequence[str] | None = None) -> int:

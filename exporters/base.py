@@ -23,10 +23,24 @@ class ExportError(MoEServeError):
 
 
 class SafetensorsCheckpoint:
-    """Tensor names -> lazily read tensors across one file or the shards of an index file."""
+    """Tensor names -> lazily read tensors, across one or several safetensors files."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        self._file_of[name] = path
+                        self._shapes[name] = tuple(f.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors' own header errors
+                raise ExportError(f"cannot read {path}: {exc}") from None
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> SafetensorsCheckpoint:
+        """A Hugging Face style directory: model.safetensors, or shards listed in model.safetensors.index.json."""
         if (directory / INDEX_FILE).is_file():
             try:
                 weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
@@ -35,25 +49,13 @@ class SafetensorsCheckpoint:
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (directory / f).is_file()]
             if missing:
-                raise ExportError(f"missing shard {missing[0]} listed in {INDEX_FILE}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            self.files = [directory / f for f in files]
-        elif (directory / SINGLE_FILE).is_file():
-            self.files = [directory / SINGLE_FILE]
-        else:
-            pickled = [name for name in PICKLE_FILES if (directory / name).exists()]
-            if pickled:
-                raise ExportError(
-                    f"{directory} holds only a pickle checkpoint ({pickled[0]}); only safetensors are read "
-                    "(convert it with transformers' save_pretrained(..., safe_serialization=True) where you trust it)"
-                )
-            raise ExportError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
-        self._file_of: dict[str, Path] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for path in self.files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    self._file_of[name] = path
-                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise ExportError(f"missing shard {missing[0]} listed in {INDEX_FILE}{more}")
+            return cls([directory / f for f in files])
+        if (directory / SINGLE_FILE).is_file():
+            return cls([directory / SINGLE_FILE])
+        _refuse_pickles(directory)
+        raise ExportError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
 
     def keys(self) -> Iterable[str]:
         return self._file_of.keys()
@@ -83,6 +85,15 @@ class SafetensorsCheckpoint:
         return digest.hexdigest()
 
 
+def _refuse_pickles(directory: Path) -> None:
+    pickled = [name for name in PICKLE_FILES if (directory / name).exists()]
+    if pickled:
+        raise ExportError(
+            f"{directory} holds only a pickle checkpoint ({pickled[0]}); only safetensors are read "
+            "(convert it with transformers' save_pretrained(..., safe_serialization=True) where you trust it)"
+        )
+
+
 def read_json(path: Path) -> dict:
     if not path.is_file():
         raise ExportError(f"{path.parent} has no {path.name}")
@@ -90,3 +101,35 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ExportError(f"{path} is not valid JSON: {exc}") from None
+
+
+TRAINING_CHECKPOINT = "checkpoint.safetensors"
+TRAINING_CONFIG = "training_config.json"
+
+
+class TrainingCheckpoint(SafetensorsCheckpoint):
+    """A recipe's output directory: checkpoint.safetensors (the method's official key layout) and
+    training_config.json (method, hyperparameters, command, seed, split, metrics)."""
+
+    def __init__(self, directory: Path, method: str) -> None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ExportError(f"{directory} is not a directory")
+        if not (directory / TRAINING_CHECKPOINT).is_file():
+            _refuse_pickles(directory)
+            raise ExportError(f"{directory} has no {TRAINING_CHECKPOINT}")
+        self.record = read_json(directory / TRAINING_CONFIG)
+        found = self.record.get("method")
+        if found != method:
+            raise ExportError(f"{directory} is a {found!r} checkpoint ({TRAINING_CONFIG} method), not {method!r}")
+        self.model_config = self.record.get("model") or {}
+        super().__init__([directory / TRAINING_CHECKPOINT])
+
+    def hyper(self, name: str):
+        if name not in self.model_config:
+            raise ExportError(f"{TRAINING_CONFIG} has no model.{name}")
+        return self.model_config[name]
+
+    def provenance(self, exporter: str, folded: str) -> dict:
+        keys = ("recipe", "command", "seed", "steps", "split", "metrics")
+        return {"exporter": exporter, "source_sha256": self.sha256(), "folded": folded, **{k: self.record[k] for k in keys if k in self.record}}

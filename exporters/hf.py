@@ -232,7 +232,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = N
         raise ExportError(f"{src} has no tokenizer.json (only fast tokenizers in tokenizers' JSON format are carried over)")
     tokenizer = Tokenizer.from_file(src / "tokenizer.json")
     config = convert_config(hf, tokenizer, _chat_template(src))
-    checkpoint = SafetensorsCheckpoint(src)
+    checkpoint = SafetensorsCheckpoint.from_directory(src)
     state = convert_weights(hf, config, checkpoint, progress=progress)
     provenance = {
         "exporter": "exporters.hf",

@@ -1,0 +1,178 @@
+"""Each seed-method exporter's fold, proven: the training-time module in eval mode and the exported artifact
+give the same logits (fp32, 1e-5) at every k the artifact allows; wrong inputs fail naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exporters import genre_encoder, transformer_xl
+from exporters.base import ExportError
+from moe_serve import LLM
+from recipes.encoder import EncoderConfig, GenreClassifier
+from recipes.train import save_checkpoint
+from recipes.transformer_xl import MemTransformerLM, TXLConfig
+
+TXL = dict(d_model=32, n_head=2, d_head=16, n_layer=3, num_experts=4, d_expert=24, d_inner=40, moe_index=(0, 2), hyper_size=48, top_k_min=2, top_k_max=4)
+ENC = dict(d_model=32, n_head=2, n_layer=2, max_len=64, num_experts=4, d_expert=16, k=2)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Away from the training init (zero biases, tiny gates) so every term of the fold matters."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator) * 0.2
+            p.copy_(1.0 + noise if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight") else noise)
+
+
+def make_lm(tmp_path: Path, method: str, seed: int = 0) -> tuple[MemTransformerLM, Path]:
+    torch.manual_seed(seed)
+    model = MemTransformerLM(TXLConfig(method=method, **TXL))
+    randomize(model, seed)
+    model.crit.out_layers[0].weight = model.word_emb.emb_layers[0].weight  # randomize() keeps the tie; be explicit
+    model.eval()
+    out = tmp_path / f"{method}-ckpt"
+    save_checkpoint(out, model, {"method": method, "model": model.cfg.to_dict(), "recipe": "test", "seed": seed})
+    return model, out
+
+
+def make_classifier(tmp_path: Path, method: str, seed: int = 0) -> tuple[GenreClassifier, Path]:
+    torch.manual_seed(seed)
+    model = GenreClassifier(EncoderConfig(method=method, **ENC))
+    randomize(model, seed)
+    model.eval()
+    out = tmp_path / f"{method}-ckpt"
+    save_checkpoint(out, model, {"method": method, "model": model.cfg.to_dict(), "recipe": "test", "seed": seed})
+    return model, out
+
+
+@pytest.mark.parametrize("fmt", list(transformer_xl.METHODS))
+def test_transformer_xl_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: str) -> None:
+    model, ckpt = make_lm(tmp_path, transformer_xl.METHODS[fmt])
+    llm = LLM(transformer_xl.export(fmt, ckpt, tmp_path / "artifact"))
+    tokens = torch.randint(0, 257, (3, 40), generator=torch.Generator().manual_seed(1))
+    ks = [None] if fmt == "txl-dense" else range(1, TXL["num_experts"] + 1)
+    for k in ks:
+        if k is not None:
+            model.set_top_k(k)
+        with torch.no_grad():
+            expected = model(tokens)
+        with torch.inference_mode():
+            hidden, _ = llm.engine.runner.forward(tokens.tolist(), [k or 1] * 3)
+            actual = llm.artifact.model.lm_logits(hidden)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
+
+
+def test_hyperrouter_router_is_the_hypernetwork_output(tmp_path: Path) -> None:
+    model, ckpt = make_lm(tmp_path, "hyperrouter")
+    artifact = LLM(transformer_xl.export("hyperrouter", ckpt, tmp_path / "artifact")).artifact
+    weight, bias = model.layers[2].pos_ff.gate.router()
+    moe = artifact.model.layers[2].moe  # one fp32 evaluation of H(e): equal up to GEMM rounding
+    torch.testing.assert_close(moe.router.weight, weight.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(moe.router.bias, bias.detach(), atol=1e-6, rtol=0)
+    names = set(load_file(tmp_path / "artifact" / "model.safetensors"))
+    assert not any("hypernet" in n or "embedding" == n.split(".")[-1] for n in names)
+    provenance = json.loads((tmp_path / "artifact" / "config.json").read_text())["provenance"]
+    assert "hypernetwork H dropped" in provenance["folded"]
+
+
+@pytest.mark.parametrize("fmt", list(genre_encoder.FOLDED))
+def test_encoder_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: str) -> None:
+    model, ckpt = make_classifier(tmp_path, fmt)
+    llm = LLM(genre_encoder.export(fmt, ckpt, tmp_path / "artifact"))
+    generator = torch.Generator().manual_seed(2)
+    lengths = [50, 31, 12]
+    tokens = torch.randint(0, 256, (3, 50), generator=generator)
+    mask = torch.arange(50)[None, :] < torch.tensor(lengths)[:, None]
+    for k in range(1, ENC["num_experts"] + 1):
+        model.set_k(k)
+        with torch.no_grad():
+            expected = model(tokens, mask)
+        with torch.inference_mode():
+            hidden, token_mask = llm.engine.runner.forward([tokens[b, :n].tolist() for b, n in enumerate(lengths)], [k] * 3)
+            actual = llm.artifact.model.class_logits(hidden, token_mask)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
+
+
+def test_moesart_drops_temperature(tmp_path: Path) -> None:
+    """Selection is top-k of the logits and weights are 1/k, whatever tau was in training."""
+    model, ckpt = make_classifier(tmp_path, "moesart")
+    for layer in model.layers:
+        layer.moe.gate.tau = 3.0
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    llm = LLM(genre_encoder.export("moesart", ckpt, tmp_path / "artifact"))
+    with torch.no_grad():
+        expected = model(tokens, mask)
+    with torch.inference_mode():
+        hidden, token_mask = llm.engine.runner.forward(tokens.tolist(), [2, 2])
+        torch.testing.assert_close(llm.artifact.model.class_logits(hidden, token_mask), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_method_missing_key_and_wrong_shape_fail_without_output(tmp_path: Path) -> None:
+    _, ckpt = make_lm(tmp_path, "smoe")
+    dst = tmp_path / "dst"
+    with pytest.raises(ExportError, match="is a 'smoe' checkpoint \\(training_config.json method\\), not 'hyperrouter'"):
+        transformer_xl.export("hyperrouter", ckpt, dst)
+    record = json.loads((ckpt / "training_config.json").read_text())
+    (ckpt / "training_config.json").write_text(json.dumps({**record, "method": "hyperrouter"}))
+    with pytest.raises(ExportError, match="missing key 'layers.0.pos_ff.gate.embedding': a HyperRouter checkpoint"):
+        transformer_xl.export("hyperrouter", ckpt, dst)
+    (ckpt / "training_config.json").write_text(json.dumps(record))
+    tensors = load_file(ckpt / "checkpoint.safetensors")
+    tensors["layers.2.pos_ff.experts.h4toh.weight"] = torch.zeros(4, 32, 23)
+    save_file(tensors, ckpt / "checkpoint.safetensors")
+    with pytest.raises(ExportError, match=r"checkpoint tensor 'layers.2.pos_ff.experts.h4toh.weight' has shape \[4, 32, 23\], expected \[4, 32, 24\]"):
+        transformer_xl.export("smoe", ckpt, dst)
+    del tensors["layers.1.pos_ff.CoreNet.3.bias"]
+    save_file(tensors, ckpt / "checkpoint.safetensors")
+    with pytest.raises(ExportError, match="checkpoint tensor 'layers.1.pos_ff.CoreNet.3.bias' is missing"):
+        transformer_xl.export("smoe", ckpt, dst)
+    _, smear = make_classifier(tmp_path, "smear")
+    with pytest.raises(ExportError, match="is a 'smear' checkpoint"):
+        genre_encoder.export("moesart", smear, dst)
+    assert not dst.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smear-ckpt", "smoe-ckpt"]
+
+
+def test_cli_lists_every_format(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "exporters", "--help"], capture_output=True, text=True)
+    for fmt in ("hf", "hyperrouter", "smoe", "txl-dense", "moesart", "smear", "topk"):
+        assert fmt in result.stdout
+    _, ckpt = make_classifier(tmp_path, "topk")
+    done = subprocess.run([sys.executable, "-m", "exporters", "topk", str(ckpt), str(tmp_path / "a"), "--dtype", "fp16"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    config = LLM(tmp_path / "a").config
+    assert config.moe.router.kind == "topk_softmax" and config.classifier.labels == EncoderConfig(method="topk").labels
+
+
+def test_moesart_training_weights_follow_eq3_closed_form() -> None:
+    """With r = 1, Eq. (3) gives w_z = g_z / (1 + g_z) and w_i = 1 / ((k - 1)(1 + g_z)) for the others."""
+    from recipes.encoder import MOESARTGate
+
+    gate = MOESARTGate(EncoderConfig(method="moesart", **{**ENC, "k": 3})).train()
+    x = torch.randn(64, ENC["d_model"], generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(5)
+    indices, weights = gate(x)
+    g = torch.softmax(gate.gate_weights(x), -1).gather(1, indices)  # [T, k]
+    z_mask = torch.isclose(weights, g / (1 + g), atol=1e-6)
+    assert bool(z_mask.any(dim=1).all())  # one slot per token is z
+    g_z = (g * z_mask).sum(1, keepdim=True)
+    others = ~z_mask
+    torch.testing.assert_close(weights[others], (1 / (2 * (1 + g_z))).expand_as(weights)[others], atol=1e-6, rtol=1e-5)
+    assert len({tuple(sorted(row)) for row in indices.tolist()}) > 1  # sampled, not a fixed top-k
+
+
+def test_hyperrouter_k_schedule_is_linear_from_half_to_all() -> None:
+    from recipes.transformer_xl import k_schedule
+
+    ks = [k_schedule(step, 9, 4, 8) for step in range(9)]
+    assert ks[0] == 4 and ks[-1] == 8 and ks == sorted(ks)
