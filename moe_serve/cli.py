@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from moe_serve.errors import MoEServeError
@@ -43,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("texts", nargs="+", metavar="TEXT")
         sub.add_argument("--experts-per-token", "-k", type=int, default=None)
 
+    evaluate = commands.add_parser("eval", help="quality against k on a held-out dataset (table, CSV, PNG, quality.json)")
+    evaluate.add_argument("models", nargs="+", metavar="MODEL")
+    evaluate.add_argument("--k", default=None, help="comma-separated k values (default: 1, 2, 4, ... up to the model's max)")
+    evaluate.add_argument("--dataset", default="shakespeare")
+    evaluate.add_argument("--max-items", type=int, default=None, help="evaluate only the first N windows or passages")
+    evaluate.add_argument("--output-dir", type=Path, default=Path("eval-results"), help="where the CSV and PNG go")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--json", action="store_true")
+
     inspect = commands.add_parser("inspect", help="summarize an artifact: architecture, experts, k range, parameters")
     inspect.add_argument("model", metavar="MODEL")
     inspect.add_argument("--json", action="store_true")
@@ -76,6 +86,9 @@ def _run(args: argparse.Namespace) -> int:
         summary = summarize(resolve_model(args.model))
         _emit(args, summary, format_summary(summary))
         return 0
+
+    if args.command == "eval":
+        return _eval(args)
 
     from moe_serve import LLM, SamplingParams
 
@@ -113,6 +126,34 @@ def _run(args: argparse.Namespace) -> int:
             for t, r in zip(args.texts, results)
         )
     _emit(args, data, text)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from moe_serve import LLM
+    from moe_serve.errors import ValidationError
+    from moe_serve.evaluation import evaluate, format_table, plot, quality_path, write_csv, write_quality
+
+    try:
+        requested = [int(k) for k in args.k.split(",")] if args.k else None
+    except ValueError:
+        raise ValidationError(f"--k must be comma-separated integers, got {args.k!r}", parameter="k") from None
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows, written = [], {}
+    for model in args.models:
+        llm = LLM(model, device=args.device)
+        moe = llm.config.moe
+        ks = requested or sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if moe and k <= moe.max_k} | {moe.max_k if moe else 1})
+        model_rows = evaluate(llm, ks, args.dataset, args.max_items, progress=not args.json)
+        target = quality_path(llm.artifact.path, args.output_dir)
+        write_quality(target, model_rows)
+        written[llm.artifact.name] = str(target)
+        rows += model_rows
+    write_csv(args.output_dir / "quality.csv", rows)
+    plot(args.output_dir / "quality_vs_k.png", rows)
+    files = {"csv": str(args.output_dir / "quality.csv"), "png": str(args.output_dir / "quality_vs_k.png"), "quality_json": written}
+    text = format_table(rows) + "\n" + "\n".join(f"wrote {p}" for p in [files["csv"], files["png"], *written.values()])
+    _emit(args, {"results": rows, "files": files}, text)
     return 0
 
 
