@@ -20,6 +20,8 @@ class EngineConfig:
     max_num_seqs: sequences decoded together in one step (also the number of KV-cache slots).
     max_model_len: longest prompt + completion in tokens (None: the model's max_position_embeddings).
     verify_checksums: check the artifact's sha256 checksums when loading.
+    kv_cache_tokens: KV-cache budget in tokens: running sequences reserve prompt + max_tokens each; a request
+        that can never fit is refused, others wait (None: max_num_seqs * max_model_len).
     """
 
     device: str = "auto"
@@ -27,11 +29,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     verify_checksums: bool = True
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1)
+        if self.kv_cache_tokens is not None:
+            check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(f"dtype must be auto or one of {', '.join(_DTYPES)}; got {self.dtype!r}", parameter="dtype")
 

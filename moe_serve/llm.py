@@ -7,12 +7,12 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from moe_serve.artifact import Artifact, load_artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine.llm_engine import LLMEngine
+from moe_serve.engine.pooling import class_probabilities, token_logprobs
 from moe_serve.errors import ValidationError
 from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
 from moe_serve.registry import resolve_model
@@ -60,9 +60,6 @@ class LLM:
         for ids, params in zip(prompt_ids, params_list):  # validate everything before running anything
             params.verify()
             self.engine.resolve_experts_per_token(params.experts_per_token)
-        self.engine.reserve(
-            sum(p.n for p in params_list), max(len(ids) + p.max_tokens for ids, p in zip(prompt_ids, params_list))
-        )
         requests = []
         try:
             for index, (ids, params) in enumerate(zip(prompt_ids, params_list)):
@@ -97,17 +94,12 @@ class LLM:
         assert self.config.classifier is not None
         labels = self.config.classifier.labels
         moe = self.config.moe
-        results: list[ClassificationOutput] = []
-        for chunk in self._chunks(len(text_list)):
-            with torch.inference_mode():
-                hidden, mask = self.engine.runner.forward([token_ids[i] for i in chunk], [ks[i] for i in chunk])
-                probs = torch.softmax(self.artifact.model.class_logits(hidden, mask), dim=-1).tolist()
-            for i, row in zip(chunk, probs):
-                best = max(range(len(labels)), key=row.__getitem__)
-                approximate = bool(moe and moe.router.kind == "soft_merge" and ks[i] < moe.num_experts)
-                results.append(
-                    ClassificationOutput(labels[best], dict(zip(labels, row)), ks[i] if moe else None, approximate)
-                )
+        probs = class_probabilities(self.engine.runner, token_ids, ks, self.engine_config.max_num_seqs)
+        results = []
+        for k, row in zip(ks, probs):
+            best = max(range(len(labels)), key=row.__getitem__)
+            approximate = bool(moe and moe.router.kind == "soft_merge" and k < moe.num_experts)
+            results.append(ClassificationOutput(labels[best], dict(zip(labels, row)), k if moe else None, approximate))
         return results
 
     def score(
@@ -130,32 +122,9 @@ class LLM:
                     "input must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
                 )
             sequences.append(ids)
-        results: list[ScoreOutput] = []
-        for chunk in self._chunks(len(text_list)):
-            batch = [sequences[i] for i in chunk]
-            with torch.inference_mode():
-                hidden, mask = self.engine.runner.forward(batch, [ks[i] for i in chunk])
-                logprobs = torch.log_softmax(self.artifact.model.lm_logits(hidden[:, :-1]), dim=-1)  # [B, L-1, V]
-                targets = torch.zeros(logprobs.shape[:2], dtype=torch.long, device=logprobs.device)
-                for row, ids in enumerate(batch):
-                    targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
-                token_logprobs = logprobs.gather(-1, targets[..., None])[..., 0].tolist()
-            for row, i in enumerate(chunk):
-                ids = sequences[i]
-                per_token = token_logprobs[row][: len(ids) - 1]
-                scored_ids = ids[1:]
-                num_bytes = len(self.tokenizer.decode(scored_ids).encode("utf-8"))
-                total = float(sum(per_token))
-                results.append(
-                    ScoreOutput(
-                        total_logprob=total,
-                        num_tokens=len(scored_ids),
-                        num_bytes=num_bytes,
-                        bits_per_byte=-total / math.log(2) / max(num_bytes, 1),
-                        experts_per_token=ks[i] if self.config.moe else None,
-                        token_logprobs=per_token if return_token_logprobs else None,
-                    )
-                )
+        results = []
+        for ids, k, per_token in zip(sequences, ks, token_logprobs(self.engine.runner, sequences, ks, self.engine_config.max_num_seqs)):
+            results.append(score_output(self.tokenizer, ids, per_token, k if self.config.moe else None, return_token_logprobs))
         return results
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -194,9 +163,19 @@ class LLM:
             )
         return ids
 
-    def _chunks(self, count: int) -> list[list[int]]:
-        size = self.engine_config.max_num_seqs
-        return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+
+def score_output(tokenizer: Any, ids: list[int], per_token: list[float], k: int | None, keep_tokens: bool) -> ScoreOutput:
+    """Totals for one scored sequence; bytes are those of the scored tokens (special tokens count 0)."""
+    num_bytes = len(tokenizer.decode(ids[1:]).encode("utf-8"))
+    total = float(sum(per_token))
+    return ScoreOutput(
+        total_logprob=total,
+        num_tokens=len(ids) - 1,
+        num_bytes=num_bytes,
+        bits_per_byte=-total / math.log(2) / max(num_bytes, 1),
+        experts_per_token=k,
+        token_logprobs=per_token if keep_tokens else None,
+    )
 
 
 def _completion(index: int, seq: Any) -> CompletionOutput:

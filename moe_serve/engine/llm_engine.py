@@ -7,6 +7,7 @@ Each step reads as three verbs: schedule (admit), run (model + sampler), post-pr
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 import torch
@@ -31,7 +32,8 @@ class LLMEngine:
         self.runner = ModelRunner(artifact.model, device)
         positions = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
-        self.cache: KVCache | None = None
+        self.kv_cache_tokens = config.kv_cache_tokens or config.max_num_seqs * self.max_model_len
+        self.cache = KVCache(self.model_config, config.max_num_seqs, self.max_model_len, device, self.runner_dtype)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -55,7 +57,9 @@ class LLMEngine:
         check_experts_per_token(value, moe.min_k, moe.max_k)
         return value
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate a generation request without changing any state; returns its k. Safe to call from
+        any thread while the engine steps."""
         params.verify()
         if not prompt_token_ids:
             raise ValidationError("prompt must not be empty", parameter="prompt")
@@ -66,15 +70,27 @@ class LLMEngine:
                 "(prompt + max_tokens must fit)",
                 parameter="prompt",
             )
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+        need = len(prompt_token_ids) + params.max_tokens
+        if need > self.max_model_len:
             raise ValidationError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this model's "
                 f"context of {self.max_model_len} tokens",
                 parameter="max_tokens",
             )
+        if need * params.n > self.kv_cache_tokens:
+            raise ValidationError(
+                f"this request needs {need * params.n} tokens of KV cache (prompt + max_tokens, times n) but the "
+                f"engine's budget is {self.kv_cache_tokens}; it can never run",
+                parameter="max_tokens",
+            )
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValidationError(f"prompt token ids must be in 0..{vocab - 1}", parameter="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValidationError(f"prompt token ids must be integers in 0..{vocab - 1}", parameter="prompt")
+        return k
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        k = self.check_request(prompt_token_ids, params)
+        now = time.monotonic()
         seqs = []
         for index in range(params.n):
             generator = None
@@ -84,7 +100,7 @@ class LLMEngine:
                     generator.seed()
                 else:
                     generator.manual_seed(params.seed + index)
-            seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, k, generator)
+            seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, k, generator, arrival_time=now)
             self.waiting.append(seq)
             seqs.append(seq)
         return seqs
@@ -101,27 +117,30 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def reserve(self, num_slots: int, max_len: int) -> None:
-        """Size the cache for an offline batch (only while nothing is running)."""
-        num_slots = min(num_slots, self.config.max_num_seqs)
-        max_len = min(max_len, self.max_model_len)
-        if self.cache is None or (not self.running and (self.cache.num_slots < num_slots or self.cache.max_len < max_len)):
-            self.cache = KVCache(self.model_config, num_slots, max_len, self.device, self.runner_dtype)
-
     @property
     def runner_dtype(self) -> torch.dtype:
         return self.artifact.model.embed_tokens.weight.dtype
 
+    @property
+    def num_reserved_tokens(self) -> int:
+        """KV positions promised to running sequences (prompt + max_tokens each)."""
+        return sum(len(s.prompt_token_ids) + s.params.max_tokens for s in self.running)
+
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones have status FINISHED)."""
-        if self.cache is None:
-            self.reserve(self.config.max_num_seqs, self.max_model_len)
-        assert self.cache is not None
+        # Admission: first come, first served, while a slot and the token budget allow.
+        reserved = self.num_reserved_tokens
+        now = time.monotonic()
         while self.waiting and self.cache.num_free_slots:
+            need = len(self.waiting[0].prompt_token_ids) + self.waiting[0].params.max_tokens
+            if reserved + need > self.kv_cache_tokens:
+                break
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
             seq.status = SequenceStatus.RUNNING
+            seq.first_scheduled_time = now
             self.running.append(seq)
+            reserved += need
         if not self.running:
             return []
 
@@ -138,7 +157,9 @@ class LLMEngine:
             logits = self.runner.last_token_logits(hidden, token_mask)
             token_ids, logprobs, top_logprobs = sample(logits, batch)
 
+        now = time.monotonic()
         for seq, tokens, token, logprob, tops in zip(batch, new_tokens, token_ids, logprobs, top_logprobs):
+            seq.token_times.append(now)
             seq.num_cached_tokens += len(tokens)
             seq.output_token_ids.append(token)
             seq.output_logprobs.append(logprob)
@@ -168,6 +189,6 @@ class LLMEngine:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        if seq.slot is not None and self.cache is not None:
+        if seq.slot is not None:
             self.cache.free(seq.slot)
             seq.slot = None

@@ -41,6 +41,7 @@ class ModelRunner:
         if cache is not None:
             assert slots is not None
             context_lens = start + lengths
+            cache.ensure_length(int(context_lens.max()))
             layout_kwargs = dict(
                 slot_ids=torch.tensor(slots, device=self.device),
                 context_lens=context_lens.to(self.device),

@@ -32,6 +32,9 @@ class Sequence:
     text: str = ""
     slot: int | None = None
     num_cached_tokens: int = 0
+    arrival_time: float = 0.0  # time.monotonic() values, for latency metrics
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

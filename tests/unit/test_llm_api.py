@@ -33,7 +33,7 @@ BAD_CALLS = {
     "top_p above one": (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p", "between 0.0 and 1.0"),
     "params count": (lambda llm: llm.generate(["a", "b"], [SamplingParams()]), "sampling_params", "1 SamplingParams for 2 prompts"),
     "classify on an LM": (lambda llm: llm.classify("hi"), "model", "classify needs a sequence_classification model"),
-    "token id out of range": (lambda llm: llm.generate([[1, 2, 999]]), "prompt", "token ids must be in 0..259"),
+    "token id out of range": (lambda llm: llm.generate([[1, 2, 999]]), "prompt", "token ids must be integers in 0..259"),
 }
 
 
@@ -125,3 +125,15 @@ def test_classifier_with_soft_merge(make_artifact) -> None:
         assert mixed.probs[label] == pytest.approx(alone.probs[label], abs=1e-6)
     with pytest.raises(ValidationError, match="generate needs a causal_lm model"):
         llm.generate("x")
+
+
+def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_artifact) -> None:
+    from moe_serve import EngineConfig
+
+    llm = LLM(make_artifact(), EngineConfig(kv_cache_tokens=40, max_num_seqs=8))
+    with pytest.raises(ValidationError, match="needs 45 tokens of KV cache .* budget is 40; it can never run") as info:
+        llm.generate([[1] * 5], SamplingParams(max_tokens=40))
+    assert info.value.parameter == "max_tokens"
+    # Four requests of 20 tokens each: at most two run at once, all complete.
+    outs = llm.generate([[1] * 5, [2] * 5, [3] * 5, [4] * 5], SamplingParams(max_tokens=15, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [15] * 4
