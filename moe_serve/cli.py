@@ -1,5 +1,6 @@
-"""The `moe-serve` command line (DESIGN §11). Every command that reports data takes --json and then
-prints one JSON document on stdout."""
+"""The runtime's commands of `moe-serve` (DESIGN §11): generate, classify, score, eval, inspect, models.
+`server.cli` adds `serve` (the console script's entry point), so this package never imports the server.
+Every command that reports data takes --json and then prints one JSON document on stdout."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; errors the user can fix print one line and exit with status 2."""
     try:
         return _run(args)
     except MoEServeError as exc:

@@ -148,20 +148,7 @@ class LLM:
         return list(prompt)
 
     def _encode_text(self, text: str, parameter: str) -> list[int]:
-        """Token ids of a text input, starting with BOS for models that want it."""
-        if not isinstance(text, str):
-            raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
-        if self.config.add_bos_token:
-            ids = [self.config.bos_token_id, *ids]  # type: ignore[list-item]  # checked by ModelConfig
-        if len(ids) > self.engine.max_model_len:
-            raise ValidationError(
-                f"{parameter} has {len(ids)} tokens; this model's context is {self.engine.max_model_len} tokens",
-                parameter=parameter,
-            )
-        return ids
+        return self.engine.encode_text(text, parameter)
 
 
 def score_output(tokenizer: Any, ids: list[int], per_token: list[float], k: int | None, keep_tokens: bool) -> ScoreOutput:

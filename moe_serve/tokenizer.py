@@ -64,5 +64,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The token's string form, special tokens included (chat templates need BOS/EOS as text)."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
     def save(self, path: str | Path) -> None:
         self._tokenizer.save(str(path))

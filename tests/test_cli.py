@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import classifier_config
 
-CLI = [sys.executable, "-m", "moe_serve.cli"]
+CLI = [sys.executable, "-m", "server.cli"]
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:

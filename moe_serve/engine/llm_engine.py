@@ -57,6 +57,21 @@ class LLMEngine:
         check_experts_per_token(value, moe.min_k, moe.max_k)
         return value
 
+    def encode_text(self, text: str, parameter: str) -> list[int]:
+        """Token ids of a text input, starting with BOS for models that want it; checked against the context."""
+        if not isinstance(text, str):
+            raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
+        if self.model_config.add_bos_token:
+            ids = [self.model_config.bos_token_id, *ids]  # type: ignore[list-item]  # checked by ModelConfig
+        if len(ids) > self.max_model_len:
+            raise ValidationError(
+                f"{parameter} has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", parameter=parameter
+            )
+        return ids
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate a generation request without changing any state; returns its k. Safe to call from
         any thread while the engine steps."""

@@ -49,6 +49,16 @@ class MoEBlock(nn.Module):
             self.shared_expert = FFN(config.shared_expert, hidden_size)
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
+        self.expert_load: torch.Tensor | None = None
+
+    def _count(self, topk_ids: torch.Tensor, tokens_per_row: torch.Tensor | None = None) -> None:
+        if self.expert_load is None:
+            return
+        used = topk_ids >= 0
+        weights = None if tokens_per_row is None else tokens_per_row[:, None].expand_as(topk_ids)[used].float()
+        counts = torch.bincount(topk_ids[used], weights=weights, minlength=self.config.num_experts)
+        self.expert_load += counts.to(self.expert_load.dtype)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.router.bias is None else self.router.bias.float()
@@ -68,6 +78,7 @@ class MoEBlock(nn.Module):
             tokens = x[token_mask]  # [T, D] padding is never routed
             token_k = top_k[:, None].expand_as(token_mask)[token_mask]  # [T]
             topk_ids, topk_weights = route(self.router_logits(tokens), token_k, max_k, self.config.router)
+            self._count(topk_ids)
             out[token_mask] = self.experts.forward_grouped(tokens, topk_ids, topk_weights)
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -84,4 +95,5 @@ class MoEBlock(nn.Module):
         if self.config.router.input_norm is not None:
             pooled = self.router_norm(pooled)
         topk_ids, topk_weights = route(self.router_logits(pooled), top_k, max_k, self.config.router)
+        self._count(topk_ids, token_mask.sum(1))  # every token of a sequence uses its merged experts
         return self.experts.forward_merged(x, topk_ids, topk_weights)

@@ -93,6 +93,21 @@ class MoETransformer(nn.Module):
             h = self.norm(h)
         return h
 
+    def track_expert_load(self) -> None:
+        """Start counting tokens per expert in every MoE layer (read with `read_expert_load`)."""
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.moe.expert_load = torch.zeros(layer.moe.config.num_experts, dtype=torch.int64, device=self.embed_tokens.weight.device)
+
+    def read_expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert per MoE layer since the last read; resets the counts."""
+        loads = {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_moe and layer.moe.expert_load is not None:
+                loads[i] = layer.moe.expert_load.tolist()
+                layer.moe.expert_load.zero_()
+        return loads
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., V] in fp32."""
         if self.config.tie_word_embeddings:

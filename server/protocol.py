@@ -1,0 +1,255 @@
+"""Request and response models, in the OpenAI documentation's field order; moe-serve extensions fenced.
+
+Unknown fields are accepted and logged (clients send many optional OpenAI fields); fields whose
+behaviour is not implemented are refused with a 400 that names them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+from moe_serve.errors import ValidationError
+from moe_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown(self) -> _Request:
+        if self.model_extra:
+            logger.info("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+        return self
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    max_tokens: StrictInt | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # --- moe-serve extensions (OpenAI clients send them through extra_body) ---
+    experts_per_token: StrictInt | None = None
+    top_k: StrictInt = 0
+    ignore_eos: StrictBool = False
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValidationError(f"{name} is not supported by this server; send 0 or leave it out", parameter=name)
+        if self.model_extra and "moe" in self.model_extra:
+            raise ValidationError("adaptive 'moe' policies are not supported yet; use experts_per_token", parameter="moe")
+
+    def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
+        self.refuse_unsupported()
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens > max_tokens_cap:
+            raise ValidationError(f"max_tokens must be at most {max_tokens_cap}, got {max_tokens}", parameter="max_tokens")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            n=self.n,
+            logprobs=logprobs,
+            experts_per_token=self.experts_per_token,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ValidationError("echo is not supported by this server", parameter="echo")
+        if self.best_of not in (None, 1):
+            raise ValidationError("best_of is not supported by this server (use n)", parameter="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValidationError("prompt must not be empty", parameter="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+
+    def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().to_sampling_params(max_tokens_cap, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class ClassifyRequest(_Request):
+    model: str | None = None
+    input: str | list[str]
+    experts_per_token: StrictInt | None = None
+
+
+class ScoreRequest(_Request):
+    model: str | None = None
+    input: str | list[str]
+    experts_per_token: StrictInt | None = None
+    return_token_logprobs: StrictBool = False
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    experts_per_token: int | None  # the k used (None: a dense model)
+    approximate: bool | None = None  # soft_merge with k < N
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+class Classification(BaseModel):
+    index: int
+    label: str
+    probs: dict[str, float]
+
+
+class ClassifyResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[Classification]
+    usage: Usage
+
+
+class Score(BaseModel):
+    index: int
+    total_logprob: float
+    num_tokens: int
+    num_bytes: int
+    bits_per_byte: float
+    token_logprobs: list[float] | None = None
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[Score]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moe-serve"
+    task: str
+    num_experts: int | None
+    experts_per_token: dict[str, int] | None  # {"default", "min", "max"}
+    router: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,1 @@
+"""Thin API routers: parse, call server.serving, return."""

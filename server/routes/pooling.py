@@ -1,0 +1,21 @@
+"""/v1/classify and /v1/score."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server import protocol as p
+from server import serving
+from server.routes.openai import ERRORS
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/classify", response_model=p.ClassifyResponse, responses=ERRORS)
+async def classify(body: p.ClassifyRequest, request: Request) -> p.ClassifyResponse:
+    return await serving.classify(request.app.state.ctx, body, request.state)
+
+
+@router.post("/score", response_model=p.ScoreResponse, responses=ERRORS)
+async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
+    return await serving.score(request.app.state.ctx, body, request.state)
