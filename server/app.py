@@ -29,6 +29,7 @@ from server.serving import ServedModel, ServingContext
 from server.settings import ServerSettings
 
 access_log = logging.getLogger("moe_serve.access")
+logger = logging.getLogger("moe_serve.server")
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, ServedModel]:
@@ -95,7 +96,11 @@ class AccessLogMiddleware(BaseHTTPMiddleware):
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id
         start = time.monotonic()
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            response = error_response(500, f"internal server error (request id {request_id})", "internal_error")
         response.headers["X-Request-Id"] = request_id
         state = request.state
         endpoint = request.url.path

@@ -1,12 +1,11 @@
 """One error envelope for every failure: {"error": {"message", "type", "param", "code"}}.
 
 validation -> 400 (FastAPI's 422 included), auth -> 401, unknown model -> 404, body too large -> 413,
-overload -> 429 with Retry-After, shutting down -> 503, anything unexpected -> 500 without details.
+overload -> 429 with Retry-After, shutting down -> 503. Anything unexpected becomes a 500 without details
+in server.app.AccessLogMiddleware, which catches it (so the connection stays usable) and logs it.
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,9 +14,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_serve.engine.async_engine import EngineOverloadedError, EngineStoppedError
 from moe_serve.errors import ValidationError
-
-logger = logging.getLogger("moe_serve.server")
-
 
 class ModelNotFoundError(Exception):
     def __init__(self, name: str, available: list[str]) -> None:
@@ -66,9 +62,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        request_id = getattr(request.state, "request_id", "-")
-        logger.error("request %s failed", request_id, exc_info=exc)
-        return error_response(500, f"internal server error (request id {request_id})", "internal_error")

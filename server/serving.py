@@ -99,11 +99,20 @@ async def _collect(stream: AsyncIterator[RequestUpdate], n: int) -> _Collected:
 def _completion_logprobs(served: ServedModel, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], wanted: int | None) -> p.CompletionLogprobs | None:
     if wanted is None:
         return None
-    decode = served.artifact.tokenizer.decode
+    tokenizer = served.artifact.tokenizer
+
+    def alternatives(top: dict[int, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for token_id, value in top.items():
+            text = tokenizer.decode([token_id])
+            # Tokens that decode alike (partial UTF-8 bytes) keep their raw token string as the key.
+            out[tokenizer.id_to_token(token_id) if text in out or "\ufffd" in text else text] = value
+        return out
+
     return p.CompletionLogprobs(
-        tokens=[decode([t]) for t in token_ids],
+        tokens=[tokenizer.decode([t]) for t in token_ids],
         token_logprobs=logprobs,
-        top_logprobs=[{decode([t]): v for t, v in top.items()} for top in tops] if wanted else None,
+        top_logprobs=[alternatives(top) for top in tops] if wanted else None,
     )
 
 
