@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast clean
+.PHONY: install serve test test-fast demos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,14 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+
+# The OpenAI-compatible server on the bundled demo models, http://127.0.0.1:8000
+serve: install
+	$(BIN)/moe-serve serve
+
+# Retrain (when runs/ has no checkpoint), export and evaluate every bundled demo model.
+demos: install
+	$(BIN)/python -m recipes.build_demos
 
 # Everything CI runs, slow integration tests included.
 test: install

@@ -1,0 +1,1 @@
+"""HTTP load generation against a running moe-serve server (loopback only)."""

@@ -1,4 +1,4 @@
-"""The `moe-serve` console script: the runtime's commands (moe_serve.cli) plus `serve`."""
+"""The `moe-serve` console script: the runtime's commands (moe_serve.cli) plus `serve` and `batch`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moe_serve.cli import build_parser, run_command
 
@@ -26,6 +27,72 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     serve.add_argument("--log-level", default="info")
+
+
+def add_batch_command(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser("batch", help="OpenAI Batch JSONL in, results out (resumable, k sweeps)")
+    batch.add_argument("-i", "--input", type=Path, required=True, help="OpenAI Batch JSONL file")
+    batch.add_argument("-o", "--output", type=Path, required=True, help="results JSONL (appended; a rerun resumes)")
+    batch.add_argument("--model", default=None, help="default model (a line's body.model wins)")
+    batch.add_argument("--k", default=None, help="comma-separated experts_per_token sweep: every line answered once per k")
+    batch.add_argument("--chunk-size", type=int, default=64, help="requests per batched engine call")
+    batch.add_argument("--max-num-seqs", type=int, default=64)
+    batch.add_argument("--device", default="auto")
+    batch.add_argument("--quality", action="store_true", help="write accuracy / bits-per-byte vs k into each model's quality.json")
+    batch.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="shard over a Ray cluster (no ADDRESS: a local Ray)")
+    batch.add_argument("--ray-workers", type=int, default=2)
+    batch.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def batch(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from moe_serve.config import EngineConfig
+    from moe_serve.errors import ValidationError
+    from server.batch import run_batch
+
+    if not args.input.is_file():
+        raise ValidationError(f"input file {args.input} does not exist", parameter="input")
+    try:
+        ks = [int(k) for k in args.k.split(",")] if args.k else None
+    except ValueError:
+        raise ValidationError(f"--k must be comma-separated integers, got {args.k!r}", parameter="k") from None
+    engine_config = EngineConfig(device=args.device, max_num_seqs=args.max_num_seqs)
+    runner = None
+    if args.ray:
+        from server.batch_ray import ray_chunk_runner
+
+        runner = ray_chunk_runner(None if args.ray == "local" else args.ray, args.ray_workers, engine_config)
+    summary, _ = run_batch(args.input, args.output, default_model=args.model, ks=ks, engine_config=engine_config,
+                           chunk_size=args.chunk_size, progress=not args.json, chunk_runner=runner)
+    if args.quality:
+        _write_batch_quality(args)
+    data = asdict(summary)
+    data["tokens_per_s"] = (summary.prompt_tokens + summary.completion_tokens) / max(summary.seconds, 1e-9)
+    data["requests_per_s"] = summary.requests / max(summary.seconds, 1e-9)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"{summary.lines} lines, {summary.requests} requests answered ({summary.skipped} already done), {summary.errors} errors, "
+              f"{summary.prompt_tokens} prompt + {summary.completion_tokens} generated tokens in {summary.seconds:.1f} s "
+              f"({data['requests_per_s']:.1f} req/s, {data['tokens_per_s']:.0f} tok/s)", file=sys.stderr)
+        if summary.duplicates:
+            print(f"duplicate custom_id (not run): {', '.join(summary.duplicates)}", file=sys.stderr)
+    return 0
+
+
+def _write_batch_quality(args: argparse.Namespace) -> None:
+    from moe_serve.evaluation import quality_path, write_quality
+    from moe_serve.registry import resolve_model
+    from server.batch import quality_rows
+
+    rows = quality_rows(args.output, args.input.stem)
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        target = quality_path(resolve_model(model), args.output.parent)
+        write_quality(target, mine)
+        print(f"wrote {len(mine)} quality rows for {model} to {target}", file=sys.stderr)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -53,13 +120,15 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    add_serve_command(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)))
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    add_serve_command(commands)
+    add_batch_command(commands)
     args = parser.parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "batch"):
         from moe_serve.errors import MoEServeError
 
         try:
-            return serve(args)
+            return serve(args) if args.command == "serve" else batch(args)
         except MoEServeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -28,7 +28,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     error = exc.errors()[0]
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = location[0] if location else None  # the top-level field (deeper parts name union members)
     if error.get("type") == "json_invalid":
         return f"malformed JSON in the request body: {error.get('msg', '')}", None
     if error.get("type") == "missing":

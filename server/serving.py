@@ -219,15 +219,14 @@ async def _stream_completion(ctx, served, streams, params, k, include_usage, pro
     yield "data: [DONE]\n\n"
 
 
-def render_chat(served: ServedModel, messages: list[p.ChatMessage]) -> str:
-    template = served.artifact.config.chat_template
-    if not template:
-        raise ValidationError(f"model '{served.name}' has no chat template; use /v1/completions", parameter="messages")
-    tokenizer = served.artifact.tokenizer
-    config = served.artifact.config
+def render_chat(artifact: Artifact, messages: list[p.ChatMessage]) -> str:
+    """The model's chat template (Jinja, sandboxed) applied to the messages, with a generation prompt."""
+    config, tokenizer = artifact.config, artifact.tokenizer
+    if not config.chat_template:
+        raise ValidationError(f"model '{artifact.name}' has no chat template; use /v1/completions", parameter="messages")
     special = lambda token_id: tokenizer.id_to_token(token_id) if token_id is not None else ""  # noqa: E731
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(
+    return environment.from_string(config.chat_template).render(
         messages=[m.model_dump() for m in messages],
         add_generation_prompt=True,
         bos_token=special(config.bos_token_id),
@@ -238,7 +237,7 @@ def render_chat(served: ServedModel, messages: list[p.ChatMessage]) -> str:
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, state: Any) -> Any:
     served = ctx.model(request.model)
     _require_task(served, "causal_lm", "/v1/chat/completions")
-    prompt = served.artifact.tokenizer.encode(render_chat(served, request.messages))
+    prompt = served.artifact.tokenizer.encode(render_chat(served.artifact, request.messages))
     params = request.to_sampling_params(ctx.settings.max_tokens_cap)
     served.engine.engine.check_request(prompt, params)
     k = _k(served, params)

@@ -134,9 +134,10 @@ class ExpertBank(nn.Module):
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [S, in] sorted by expert, weight [E, out, in], offsets [E] group ends -> [S, out]."""
-    if x.device.type == "cpu" or x.dtype == torch.bfloat16:
-        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    # CUDA grouped GEMM kernels take bf16 only: pad each group to the largest and run one bmm.
+    grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
+    if grouped_mm is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    # Older torch, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the largest, one bmm.
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [S]
     row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert_of_row]

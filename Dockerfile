@@ -1,0 +1,23 @@
+# moe-serve on a CUDA-capable PyTorch base. Not built in CI (no Docker engine there); see README.
+FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+
+WORKDIR /app
+# The base image's torch satisfies the requirement, so pip keeps it (no second, CPU-only torch).
+COPY pyproject.toml README.md ./
+COPY moe_serve ./moe_serve
+COPY server ./server
+COPY exporters ./exporters
+COPY loadtests ./loadtests
+COPY benchmarks ./benchmarks
+RUN pip install --no-cache-dir . \
+ && useradd --create-home --uid 10001 moe
+
+USER moe
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"
+
+# No MODEL argument: serve the bundled demo models. Mount artifacts and pass their paths to serve others:
+#   docker run -p 8000:8000 -v $PWD/artifacts:/models IMAGE /models/mixtral
+ENTRYPOINT ["moe-serve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD []

@@ -1,0 +1,124 @@
+"""`moe-serve batch`: OpenAI batch lines in and out, k sweeps, bad lines, duplicates, resume after kill -9,
+quality rows from a labelled sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from moe_serve.config import EngineConfig
+from server.batch import quality_rows, run_batch
+from tests.conftest import classifier_config, lm_config
+
+pytestmark = pytest.mark.slow
+
+
+def line(custom_id: str, url: str, body: dict, **extra) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    from moe_serve.testing import create_random_artifact
+
+    root = tmp_path_factory.mktemp("batch-models")
+    return {"lm": create_random_artifact(root / "lm", lm_config(), seed=3), "clf": create_random_artifact(root / "clf", classifier_config(), seed=4)}
+
+
+def test_every_endpoint_bad_lines_and_duplicates(tmp_path: Path, models) -> None:
+    lm, clf = str(models["lm"]), str(models["clf"])
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("\n".join([
+        line("gen", "/v1/completions", {"prompt": ["ROMEO.", "JULIET."], "max_tokens": 4, "temperature": 0}),
+        line("score", "/v1/score", {"input": "To be, or not to be"}),
+        line("clf", "/v1/classify", {"model": clf, "input": ["Out, damned spot!"]}),
+        "{broken json",
+        line("emb", "/v1/embeddings", {"input": "x"}),
+        line("gen", "/v1/completions", {"prompt": "again"}),
+        line("badk", "/v1/completions", {"prompt": "x", "experts_per_token": 9}),
+        line("badtype", "/v1/score", {"input": 5}),
+    ]) + "\n")
+    output = tmp_path / "out.jsonl"
+    summary, written = run_batch(inputs, output, default_model=lm, ks=[1, 4], progress=False)
+    lines = [json.loads(raw) for raw in output.read_text().splitlines()]
+    assert len(lines) == len(written) == 3 + 5 * 2  # three error lines, five runnable lines at two k
+    by_key = {(x["custom_id"], x["experts_per_token_sweep"]): x for x in lines if x["error"] is None}
+    gen = by_key[("gen", 4)]["response"]
+    assert gen["status_code"] == 200 and len(gen["body"]["choices"]) == 2 and gen["body"]["usage"]["experts_per_token"] == 4
+    assert by_key[("score", 1)]["response"]["body"]["data"][0]["num_bytes"] == 19
+    assert by_key[("clf", 4)]["response"]["body"]["model"] == clf  # the body's model wins over --model
+    bad_k = by_key[("badk", 1)]["response"]
+    assert bad_k["status_code"] == 200  # the sweep's k replaces the body's own
+    bad_type = by_key[("badtype", 1)]["response"]
+    assert bad_type["status_code"] == 400 and bad_type["body"]["error"]["param"] == "input"
+    errors = {x["error"]["code"]: x for x in lines if x["error"]}
+    assert set(errors) == {"invalid_json", "invalid_request", "duplicate_custom_id"}
+    assert "unknown url '/v1/embeddings'" in errors["invalid_request"]["error"]["message"]
+    assert summary.duplicates == ["gen"] and summary.requests == 10 and summary.errors == 3 + 2
+    # A second run finds everything done and writes nothing.
+    summary2, written2 = run_batch(inputs, output, default_model=lm, ks=[1, 4], progress=False)
+    assert written2 == [] and summary2.skipped == 10
+
+
+def test_k_out_of_range_without_sweep_is_a_400_naming_the_parameter(tmp_path: Path, models) -> None:
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(line("badk", "/v1/completions", {"prompt": "x", "experts_per_token": 9}) + "\n")
+    _, written = run_batch(inputs, tmp_path / "out.jsonl", default_model=str(models["lm"]), progress=False)
+    error = written[0]["response"]["body"]["error"]
+    assert written[0]["response"]["status_code"] == 400 and error["param"] == "experts_per_token" and "between 1 and 4" in error["message"]
+
+
+def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path: Path, models) -> None:
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("\n".join(
+        line(f"req-{i}", "/v1/completions", {"prompt": f"Line {i}: " + "and " * (i % 7), "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        for i in range(120)
+    ) + "\n")
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "server.cli", "batch", "-i", str(inputs), "-o", str(output), "--model", str(models["lm"]),
+               "--k", "1,3", "--chunk-size", "8", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not output.exists() or output.read_text().count("\n") < 40):
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    partial = output.read_text().count("\n")
+    assert 40 <= partial < 240, partial  # killed mid-run
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["skipped"] >= partial - 1 and summary["requests"] == 240 - summary["skipped"]
+    lines = [json.loads(raw) for raw in output.read_text().splitlines()]
+    counts = Counter((x["custom_id"], x["experts_per_token_sweep"]) for x in lines)
+    assert set(counts) == {(f"req-{i}", k) for i in range(120) for k in (1, 3)}
+    assert set(counts.values()) == {1}
+    # Same answers as an uninterrupted run.
+    fresh = tmp_path / "fresh.jsonl"
+    run_batch(inputs, fresh, default_model=str(models["lm"]), ks=[1, 3], engine_config=EngineConfig(), progress=False)
+    texts = lambda path: {(x["custom_id"], x["experts_per_token_sweep"]): x["response"]["body"]["choices"][0]["text"] for x in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    assert texts(output) == texts(fresh)
+
+
+def test_quality_rows_from_a_labelled_sweep(tmp_path: Path, models) -> None:
+    clf = str(models["clf"])
+    inputs = tmp_path / "labelled.jsonl"
+    inputs.write_text("\n".join([
+        line("x1", "/v1/classify", {"input": "My kingdom for a horse!"}, label="history"),
+        line("x2", "/v1/classify", {"input": "If music be the food of love"}, label="comedy"),
+        line("s1", "/v1/score", {"model": str(models["lm"]), "input": "To be, or not to be"}),
+    ]) + "\n")
+    output = tmp_path / "out.jsonl"
+    run_batch(inputs, output, default_model=clf, ks=[1, 4], progress=False)
+    rows = quality_rows(output, "labelled")
+    metrics = {(r["model"], r["metric"], r["k"]) for r in rows}
+    assert metrics == {(clf, "accuracy", 1), (clf, "accuracy", 4), (str(models["lm"]), "bits_per_byte", 1), (str(models["lm"]), "bits_per_byte", 4)}
+    assert all(0 <= r["value"] <= 1 for r in rows if r["metric"] == "accuracy")
