@@ -24,7 +24,7 @@ from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.registry import bundled_models, resolve_model
 from server.errors import error_response, install_error_handlers
 from server.metrics import Metrics
-from server.routes import ops, openai, pooling
+from server.routes import dashboard, ops, openai, pooling
 from server.serving import ServedModel, ServingContext
 from server.settings import ServerSettings
 
@@ -79,6 +79,7 @@ def create_app(settings: ServerSettings, models: dict[str, ServedModel] | None =
     app.include_router(openai.router)
     app.include_router(pooling.router)
     app.include_router(ops.router)
+    app.include_router(dashboard.router)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
