@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test test-fast demos clean
+.PHONY: install install-test system-deps serve test test-fast demos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -12,22 +12,32 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
+
+# Test extras (transformers, openai, playwright, ray) and the real servers the tests start.
+install-test: install system-deps
+	$(BIN)/pip install --quiet -e '.[test,ray]'
+
+# Debian's Prometheus and Chromium for the deploy/ and /dashboard tests (installed when missing, as root).
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus chromium >/dev/null; \
+	  else echo "note: prometheus/chromium missing and not root: their tests will be skipped"; fi; fi
 
 # The OpenAI-compatible server on the bundled demo models, http://127.0.0.1:8000
 serve: install
 	$(BIN)/moe-serve serve
 
 # Retrain (when runs/ has no checkpoint), export and evaluate every bundled demo model.
-demos: install
+demos: install-test
 	$(BIN)/python -m recipes.build_demos
 
 # Everything CI runs, slow integration tests included.
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q
 
 # Skips the tests marked slow.
-test-fast: install
+test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

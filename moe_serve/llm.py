@@ -58,8 +58,7 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         prompt_ids = [self._encode_prompt(p) for p in prompt_list]
         for ids, params in zip(prompt_ids, params_list):  # validate everything before running anything
-            params.verify()
-            self.engine.resolve_experts_per_token(params.experts_per_token)
+            self.engine.check_request(ids, params)
         requests = []
         try:
             for index, (ids, params) in enumerate(zip(prompt_ids, params_list)):
