@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("models", nargs="+", metavar="MODEL")
     evaluate.add_argument("--k", default=None, help="comma-separated k values (default: 1, 2, 4, ... up to the model's max)")
     evaluate.add_argument("--dataset", default="shakespeare")
-    evaluate.add_argument("--max-items", type=int, default=None, help="evaluate only the first N windows or passages")
+    evaluate.add_argument("--max-items", type=int, default=None, help="evaluate N windows or passages sampled evenly across the held-out plays (default: all)")
     evaluate.add_argument("--output-dir", type=Path, default=Path("eval-results"), help="where the CSV and PNG go")
     evaluate.add_argument("--device", default="auto")
     evaluate.add_argument("--json", action="store_true")

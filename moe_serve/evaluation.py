@@ -35,7 +35,10 @@ def dataset_inputs(dataset: str, task: str, max_items: int | None, max_len: int)
         items: list[tuple[str, str | None]] = [(text, None) for text, _ in shakespeare.passages(plays, window)]
     else:
         items = list(shakespeare.passages(plays, min(CLASSIFY_PASSAGE, max_len // 2)))
-    return items[:max_items] if max_items else items
+    if max_items and len(items) > max_items:  # an even sample across every held-out play, not the first ones
+        step = len(items) / max_items
+        items = [items[int(i * step)] for i in range(max_items)]
+    return items
 
 
 def evaluate(llm: LLM, ks: list[int], dataset: str = "shakespeare", max_items: int | None = None, progress: bool = True) -> list[dict[str, Any]]:

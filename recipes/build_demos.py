@@ -34,7 +34,7 @@ KS = [1, 2, 4, 8]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", action="store_true", help="train even when runs/RECIPE exists")
-    parser.add_argument("--max-items", type=int, default=None, help="evaluate on the first N windows/passages only")
+    parser.add_argument("--max-items", type=int, default=400, help="windows/passages sampled evenly across the held-out plays (0: all)")
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args()
@@ -44,7 +44,7 @@ def main() -> None:
         if args.retrain or not (checkpoint / "checkpoint.safetensors").is_file():
             train.main([recipe, "--out", str(checkpoint)])
         artifact = export(checkpoint, BUNDLED_DIR / name, dtype=torch.bfloat16, overwrite=True)
-        model_rows = evaluate(LLM(artifact), KS, "shakespeare", args.max_items)
+        model_rows = evaluate(LLM(artifact), KS, "shakespeare", args.max_items or None)
         write_quality(artifact / "quality.json", model_rows)
         rows += model_rows
     write_csv(args.docs / "quality_vs_k.csv", rows)

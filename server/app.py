@@ -11,10 +11,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any
-
-from fastapi import FastAPI, Request
-from starlette.middleware.base import BaseHTTPMiddleware
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moe_serve.artifact import load_artifact
@@ -86,34 +83,46 @@ def create_app(settings: ServerSettings, models: dict[str, ServedModel] | None =
     return app
 
 
-class AccessLogMiddleware(BaseHTTPMiddleware):
-    """Request id (X-Request-Id honoured or generated), one JSON access-log line, and the request counter."""
+class AccessLogMiddleware:
+    """Request id (X-Request-Id honoured or generated), the request counter, one JSON access-log line
+    written when the response (streamed or not) is complete, and a sanitized 500 for anything unexpected.
+    Plain ASGI, so that handlers still see client disconnects."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        super().__init__(app)
+        self.app = app
         self.metrics = metrics
 
-    async def dispatch(self, request: Request, call_next: Any):
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id", b"").decode() or uuid.uuid4().hex
+        state = scope.setdefault("state", {})  # what handlers see as request.state
+        state["request_id"] = request_id
         start = time.monotonic()
+        status = 0
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, send_with_id)
         except Exception:
             logger.exception("request %s failed", request_id)
-            response = error_response(500, f"internal server error (request id {request_id})", "internal_error")
-        response.headers["X-Request-Id"] = request_id
-        state = request.state
-        endpoint = request.url.path
-        if endpoint.startswith("/v1/"):
-            self.metrics.requests.labels(endpoint, str(response.status_code), getattr(state, "model", "")).inc()
-        access_log.info(json.dumps({
-            "request_id": request_id, "method": request.method, "path": endpoint, "status": response.status_code,
-            "model": getattr(state, "model", None), "k": getattr(state, "k", None),
-            "prompt_tokens": getattr(state, "prompt_tokens", None), "completion_tokens": getattr(state, "completion_tokens", None),
-            "latency_ms": round((time.monotonic() - start) * 1000, 1),
-        }))
-        return response
+            if not status:
+                await error_response(500, f"internal server error (request id {request_id})", "internal_error")(scope, receive, send_with_id)
+        finally:
+            path = scope["path"]
+            if path.startswith("/v1/"):
+                self.metrics.requests.labels(path, str(status or 500), state.get("model") or "").inc()
+            access_log.info(json.dumps({
+                "request_id": request_id, "method": scope["method"], "path": path, "status": status or 500,
+                "model": state.get("model"), "k": state.get("k"), "prompt_tokens": state.get("prompt_tokens"),
+                "completion_tokens": state.get("completion_tokens"), "latency_ms": round((time.monotonic() - start) * 1000, 1),
+            }))
 
 
 class ApiKeyMiddleware:

@@ -20,6 +20,10 @@ class ModelNotFoundError(Exception):
         super().__init__(f"model '{name}' does not exist; served models: {', '.join(available)}")
 
 
+class ClientDisconnected(Exception):
+    """The client closed the connection before a non-streaming response was ready (logged as 499)."""
+
+
 def error_response(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -57,6 +61,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineStoppedError)
     async def _stopping(request: Request, exc: EngineStoppedError) -> JSONResponse:
         return error_response(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
+        return error_response(499, "client closed the request", "client_closed_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

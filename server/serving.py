@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -19,7 +20,7 @@ from moe_serve.errors import ValidationError
 from moe_serve.llm import score_output
 from moe_serve.sampling_params import SamplingParams
 from server import protocol as p
-from server.errors import ModelNotFoundError
+from server.errors import ClientDisconnected, ModelNotFoundError
 from server.metrics import Metrics
 from server.settings import ServerSettings
 
@@ -169,7 +170,8 @@ async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[
 # ---- /v1/completions and /v1/chat/completions ---------------------------------------------------
 
 
-async def completions(ctx: ServingContext, request: p.CompletionRequest, state: Any) -> Any:
+async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
+    state = http.state
     served = ctx.model(request.model)
     _require_task(served, "causal_lm", "/v1/completions")
     params = request.to_sampling_params(ctx.settings.max_tokens_cap, request.logprobs)
@@ -182,7 +184,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, state: 
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return StreamingResponse(_stream_completion(ctx, served, streams, params, k, include_usage, sum(map(len, prompts)), state), media_type="text/event-stream")
-    results = await asyncio.gather(*(_collect(s, params.n) for s in streams))
+    results = await _unless_disconnected(http, asyncio.gather(*(_collect(s, params.n) for s in streams)))
     choices = []
     for prompt_index, result in enumerate(results):
         ctx.metrics.record_generation(served.name, "completions", result.seqs)
@@ -234,7 +236,8 @@ def render_chat(artifact: Artifact, messages: list[p.ChatMessage]) -> str:
     )
 
 
-async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, state: Any) -> Any:
+async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
+    state = http.state
     served = ctx.model(request.model)
     _require_task(served, "causal_lm", "/v1/chat/completions")
     prompt = served.artifact.tokenizer.encode(render_chat(served.artifact, request.messages))
@@ -245,7 +248,7 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
     stream = served.engine.generate(prompt, params)
     if request.stream:
         return StreamingResponse(_stream_chat(ctx, served, stream, len(prompt), k, request, state), media_type="text/event-stream")
-    result = await _collect(stream, params.n)
+    result = await _unless_disconnected(http, _collect(stream, params.n))
     ctx.metrics.record_generation(served.name, "chat", result.seqs)
     completion_tokens = sum(map(len, result.token_ids))
     state.completion_tokens = completion_tokens
@@ -284,7 +287,8 @@ def _pooling_inputs(served: ServedModel, inputs: str | list[str], k: int | None)
     return ids, resolved, resolved if served.artifact.config.moe else None
 
 
-async def classify(ctx: ServingContext, request: p.ClassifyRequest, state: Any) -> p.ClassifyResponse:
+async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> p.ClassifyResponse:
+    state = http.state
     served = ctx.model(request.model)
     _require_task(served, "sequence_classification", "/v1/classify")
     ids, k, reported = _pooling_inputs(served, request.input, request.experts_per_token)
@@ -299,7 +303,8 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, state: Any) 
     return p.ClassifyResponse(model=served.name, data=data, usage=_usage(sum(map(len, ids)), 0, reported, approximate))
 
 
-async def score(ctx: ServingContext, request: p.ScoreRequest, state: Any) -> p.ScoreResponse:
+async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
+    state = http.state
     served = ctx.model(request.model)
     _require_task(served, "causal_lm", "/v1/score")
     ids, k, reported = _pooling_inputs(served, request.input, request.experts_per_token)
@@ -316,6 +321,17 @@ async def score(ctx: ServingContext, request: p.ScoreRequest, state: Any) -> p.S
         data.append(p.Score(index=i, total_logprob=out.total_logprob, num_tokens=out.num_tokens, num_bytes=out.num_bytes,
                             bits_per_byte=out.bits_per_byte, token_logprobs=out.token_logprobs))
     return p.ScoreResponse(model=served.name, data=data, usage=_usage(sum(map(len, ids)), 0, reported))
+
+
+async def _unless_disconnected(http: Request, work: Any) -> Any:
+    """Await `work`; if the client goes away first, cancel it (its streams then abort in the engine)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await http.is_disconnected():
+            task.cancel()
+            raise ClientDisconnected
+    return task.result()
 
 
 def _annotate(state: Any, model: str, k: int | None, prompt_tokens: int) -> None:

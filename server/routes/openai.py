@@ -13,12 +13,12 @@ ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429,
 
 @router.post("/completions", response_model=p.CompletionResponse, responses=ERRORS)
 async def completions(body: p.CompletionRequest, request: Request):
-    return await serving.completions(request.app.state.ctx, body, request.state)
+    return await serving.completions(request.app.state.ctx, body, request)
 
 
 @router.post("/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-    return await serving.chat_completions(request.app.state.ctx, body, request.state)
+    return await serving.chat_completions(request.app.state.ctx, body, request)
 
 
 @router.get("/models", response_model=p.ModelList, responses=ERRORS)

@@ -13,9 +13,9 @@ router = APIRouter(prefix="/v1")
 
 @router.post("/classify", response_model=p.ClassifyResponse, responses=ERRORS)
 async def classify(body: p.ClassifyRequest, request: Request) -> p.ClassifyResponse:
-    return await serving.classify(request.app.state.ctx, body, request.state)
+    return await serving.classify(request.app.state.ctx, body, request)
 
 
 @router.post("/score", response_model=p.ScoreResponse, responses=ERRORS)
 async def score(body: p.ScoreRequest, request: Request) -> p.ScoreResponse:
-    return await serving.score(request.app.state.ctx, body, request.state)
+    return await serving.score(request.app.state.ctx, body, request)

@@ -117,3 +117,25 @@ def test_metrics_have_latency_histograms_by_k(client) -> None:
     assert 'moe_serve_requests_total{endpoint="/v1/completions",model="tiny-lm",status="200"}' in text
     assert 'moe_serve_expert_tokens_total{expert="0",layer="1",model="tiny-lm"}' in text
     assert "moe_serve_generation_tokens_total" in text and "moe_serve_num_requests_waiting" in text
+
+
+def test_non_streaming_client_that_disconnects_frees_its_slot(server, monkeypatch) -> None:
+    import time
+
+    engine = server.app.state.ctx.models["tiny-lm"].engine
+    runner = engine.engine.runner
+    forward = runner.forward
+
+    def slow_forward(*args, **kwargs):  # 64 steps now take over 3 s
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", slow_forward)
+    body = {"model": "tiny-lm", "prompt": "Long", "max_tokens": 64, "ignore_eos": True}
+    started = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    while engine.num_requests or engine.num_running:
+        assert time.monotonic() - started < 2.0, "the request kept running after its client left"
+        time.sleep(0.05)

@@ -1,0 +1,48 @@
+"""The bundled demo models: present, small, trained (far better than chance), with their provenance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.datasets.shakespeare import GENRES, passages, split
+from moe_serve.registry import bundled_models, resolve_model
+
+LMS = ("shakespeare-hyperrouter", "shakespeare-smoe", "shakespeare-dense")
+CLASSIFIERS = ("genre-moesart", "genre-smear", "genre-topk")
+
+
+def test_all_demos_are_bundled_and_small() -> None:
+    models = bundled_models()
+    assert set(models) == set(LMS + CLASSIFIERS)
+    size = sum(f.stat().st_size for path in models.values() for f in path.iterdir())
+    assert size <= 30 * 2**20, f"bundled models take {size / 2**20:.1f} MiB"
+    for name, path in models.items():
+        provenance = json.loads((path / "config.json").read_text())["provenance"]
+        assert {"recipe", "command", "seed", "split", "metrics", "source_sha256"} <= set(provenance), name
+        assert (path / "quality.json").is_file(), name
+        assert resolve_model(name) == path
+
+
+@pytest.mark.parametrize("name", LMS)
+def test_language_models_learned_shakespeare(name: str) -> None:
+    llm = LLM(name)
+    text = "".join(t for t, _ in passages(split(held_out=True), 400)[:8])
+    k = None if llm.config.moe is None else llm.config.moe.max_k
+    assert llm.score(text, experts_per_token=k)[0].bits_per_byte < 3.2  # uniform bytes: 8; a constant guess: about 4.5
+    if llm.config.moe is not None:
+        for k in (1, llm.config.moe.max_k):
+            out = llm.generate("ROMEO.\n", SamplingParams(max_tokens=60, temperature=0.7, seed=0, experts_per_token=k))[0]
+            assert sum(c.isalpha() or c.isspace() for c in out.outputs[0].text) > 45
+
+
+@pytest.mark.parametrize("name", CLASSIFIERS)
+def test_classifiers_beat_chance_on_held_out_plays(name: str) -> None:
+    llm = LLM(name)
+    items = passages(split(held_out=True), 256, stride=1500)[:120]
+    results = llm.classify([t for t, _ in items])
+    assert {r.label for r in results} <= set(GENRES)
+    accuracy = sum(r.label == g for r, (_, g) in zip(results, items)) / len(items)
+    assert accuracy > 1.5 / len(GENRES), accuracy
