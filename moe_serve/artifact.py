@@ -104,6 +104,12 @@ def save_artifact(
             "checksums": {name: sha256_file(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        # mkdtemp makes the directory private: give the artifact ordinary permissions (umask applies).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~umask)
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
