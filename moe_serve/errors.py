@@ -24,7 +24,3 @@ class ArtifactError(MoEServeError):
 
 class ConfigError(ArtifactError, ValueError):
     """A model config field is missing or out of range."""
-
-
-class UnsupportedModelError(MoEServeError):
-    """The artifact or checkpoint describes something this runtime does not serve."""

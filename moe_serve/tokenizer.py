@@ -58,9 +58,6 @@ class Tokenizer:
         """As the source tokenizer would (its post-processor may add BOS/EOS); used by exporters."""
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
-
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 

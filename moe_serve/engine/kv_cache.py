@@ -49,6 +49,3 @@ class KVCache:
                 v[:, :, : self.length] = self.layers[i][1]
             grown.append((k, v))
         self.layers, self.length = grown, new_length
-
-    def num_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
