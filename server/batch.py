@@ -30,7 +30,7 @@ from moe_serve.errors import MoEServeError, ValidationError
 from moe_serve.llm import LLM
 from moe_serve.sampling_params import SamplingParams
 from server import protocol as p
-from server.errors import _validation_message
+from server.errors import validation_message
 from server.serving import render_chat
 
 REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
@@ -188,7 +188,7 @@ def _parse(item: BatchItem) -> pydantic.BaseModel:
     try:
         return REQUEST_MODELS[item.url].model_validate(body)
     except pydantic.ValidationError as exc:
-        message, param = _validation_message(exc)  # type: ignore[arg-type]  # same .errors() interface
+        message, param = validation_message(exc)  # type: ignore[arg-type]  # same .errors() interface
         raise ValidationError(message, parameter=param) from None
 
 
@@ -248,7 +248,7 @@ def _pooled(llm: LLM, model: str, group: list[BatchItem], kind: str) -> dict[int
     results: dict[int, dict] = {}
     texts: list[str] = []
     ks: list[int | None] = []
-    owners: list[tuple[BatchItem, Any, int, int | None]] = []
+    owners: list[tuple[BatchItem, Any, int, int | None, int]] = []  # (item, request, inputs, k, prompt tokens)
     for item in group:
         try:
             request = _parse(item)
@@ -256,15 +256,17 @@ def _pooled(llm: LLM, model: str, group: list[BatchItem], kind: str) -> dict[int
             if not inputs:
                 raise ValidationError("input must not be empty", parameter="input")
             k = llm.engine.resolve_experts_per_token(request.experts_per_token)  # type: ignore[attr-defined]
+            num_tokens = 0
             for text in inputs:
                 ids = llm.engine.encode_text(text, "input")
                 if kind == "score" and len(ids) < 2:
                     raise ValidationError("input must have at least 2 tokens to be scored", parameter="input")
+                num_tokens += len(ids)
         except ValidationError as exc:
             results[id(item)] = _response(item, 400, _error_body(str(exc), exc.parameter))
             continue
         reported = k if llm.config.moe else None
-        owners.append((item, request, len(inputs), reported))
+        owners.append((item, request, len(inputs), reported, num_tokens))
         texts += inputs
         ks += [reported] * len(inputs)
     if kind == "classify":
@@ -272,9 +274,8 @@ def _pooled(llm: LLM, model: str, group: list[BatchItem], kind: str) -> dict[int
     else:
         outputs = llm.score(texts, ks, return_token_logprobs=True) if texts else []  # type: ignore[arg-type]
     start = 0
-    for item, request, count, k in owners:
+    for item, request, count, k, prompt_tokens in owners:
         mine, start = outputs[start : start + count], start + count
-        prompt_tokens = sum(len(llm.engine.encode_text(t, "input")) for t in texts[start - count : start])
         usage = p.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens, experts_per_token=k)
         if kind == "classify":
             usage.approximate = any(o.approximate for o in mine)

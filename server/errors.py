@@ -29,7 +29,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     error = exc.errors()[0]
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = location[0] if location else None  # the top-level field (deeper parts name union members)
@@ -43,7 +43,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(ValidationError)
