@@ -89,7 +89,7 @@ class LLM:
         self._require_task("sequence_classification", "classify")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
-        token_ids = [self._encode_text(t, "input") for t in text_list]
+        token_ids = [self.engine.encode_text(t, "input") for t in text_list]
         assert self.config.classifier is not None
         labels = self.config.classifier.labels
         moe = self.config.moe
@@ -97,7 +97,7 @@ class LLM:
         results = []
         for k, row in zip(ks, probs):
             best = max(range(len(labels)), key=row.__getitem__)
-            approximate = bool(moe and moe.router.kind == "soft_merge" and k < moe.num_experts)
+            approximate = bool(moe and moe.is_approximate(k))
             results.append(ClassificationOutput(labels[best], dict(zip(labels, row)), k if moe else None, approximate))
         return results
 
@@ -115,7 +115,7 @@ class LLM:
         ks = self._resolve_ks(experts_per_token, len(text_list))
         sequences = []
         for text in text_list:
-            ids = self._encode_text(text, "input")
+            ids = self.engine.encode_text(text, "input")
             if len(ids) < 2:
                 raise ValidationError(
                     "input must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
@@ -141,13 +141,11 @@ class LLM:
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self._encode_text(prompt, "prompt")
+            return self.engine.encode_text(prompt, "prompt")
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValidationError("a token-id prompt must be a non-empty list of integers", parameter="prompt")
         return list(prompt)
 
-    def _encode_text(self, text: str, parameter: str) -> list[int]:
-        return self.engine.encode_text(text, parameter)
 
 
 def score_output(tokenizer: Any, ids: list[int], per_token: list[float], k: int | None, keep_tokens: bool) -> ScoreOutput:

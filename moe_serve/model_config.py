@@ -163,6 +163,10 @@ class MoEConfig:
     def default_k(self) -> int:
         return self.experts_per_token.default
 
+    def is_approximate(self, k: int) -> bool:
+        """soft_merge below N merges only the top-k experts: an approximation of SMEAR, flagged in results."""
+        return self.router.kind == "soft_merge" and k < self.num_experts
+
 
 @dataclass(frozen=True, slots=True)
 class ClassifierConfig:

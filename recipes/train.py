@@ -57,6 +57,15 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss: torch.Tensor, lr: float, max_grad_norm: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+
+
 def byte_stream(held_out: bool) -> torch.Tensor:
     return torch.tensor(list("\n\n".join(p.text for p in shakespeare.split(held_out)).encode("utf-8")), dtype=torch.long)
 
@@ -74,14 +83,9 @@ def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, di
             model.set_top_k(k_schedule(step, steps, cfg.top_k_min, cfg.top_k_max))
         starts = torch.randint(0, len(data) - recipe.seq_len - 1, (recipe.batch_size,), generator=generator)
         batch = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, recipe.lr)
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        optimizer.step()
+        optimizer_step(optimizer, model, loss, lr_at(step, steps, recipe.lr), max_grad_norm=0.25)
         if step % 50 == 0:
             bar.set_postfix(bpc=f"{loss.item() / math.log(2):.3f}")
     model.eval()
@@ -125,14 +129,9 @@ def train_classifier(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Mo
     bar = tqdm(range(steps), desc=f"train {recipe.method}-clf", unit="step")
     for step in bar:
         rows = torch.randint(0, len(train_x), (recipe.batch_size,), generator=generator)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, recipe.lr)
         logits = model(train_x[rows], mask)
         loss = F.cross_entropy(logits, train_y[rows]) + model.aux_loss()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, model, loss, lr_at(step, steps, recipe.lr), max_grad_norm=1.0)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()

@@ -31,7 +31,7 @@ from moe_serve.llm import LLM
 from moe_serve.sampling_params import SamplingParams
 from server import protocol as p
 from server.errors import validation_message
-from server.serving import render_chat
+from server.serving import completion_logprobs, render_chat, usage
 
 REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
     "/v1/completions": p.CompletionRequest,
@@ -221,27 +221,20 @@ def _completions(llm: LLM, model: str, group: list[BatchItem]) -> dict[int, dict
         k = mine[0].experts_per_token
         prompt_tokens = sum(len(o.prompt_token_ids) for o in mine)
         completion_tokens = sum(o.num_generated_tokens for o in mine)
-        usage = p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens, experts_per_token=k)
+        totals = usage(prompt_tokens, completion_tokens, k)
         if item.url == "/v1/chat/completions":
             choices = [p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=c.text), finish_reason=c.finish_reason) for c in mine[0].outputs]
-            body = p.ChatCompletionResponse(id=_line_id(item.custom_id, item.k), model=model, choices=choices, usage=usage)
+            body = p.ChatCompletionResponse(id=_line_id(item.custom_id, item.k), model=model, choices=choices, usage=totals)
         else:
             n = len(mine[0].outputs)
             choices = [
                 p.CompletionChoice(index=i * n + c.index, text=c.text, finish_reason=c.finish_reason,
-                                   logprobs=_logprobs(llm, c, request.logprobs))  # type: ignore[attr-defined]
+                                   logprobs=completion_logprobs(llm.tokenizer, c.token_ids, c.logprobs or [], c.top_logprobs or [], request.logprobs))  # type: ignore[attr-defined]
                 for i, o in enumerate(mine) for c in o.outputs
             ]
-            body = p.CompletionResponse(id=_line_id(item.custom_id, item.k), model=model, choices=choices, usage=usage)
-        results[id(item)] = _response(item, 200, body.model_dump(), usage.prompt_tokens, usage.completion_tokens)
+            body = p.CompletionResponse(id=_line_id(item.custom_id, item.k), model=model, choices=choices, usage=totals)
+        results[id(item)] = _response(item, 200, body.model_dump(), prompt_tokens, completion_tokens)
     return results
-
-
-def _logprobs(llm: LLM, completion: Any, wanted: int | None) -> p.CompletionLogprobs | None:
-    if wanted is None:
-        return None
-    decode = llm.tokenizer.decode
-    return p.CompletionLogprobs(tokens=[decode([t]) for t in completion.token_ids], token_logprobs=completion.logprobs or [])
 
 
 def _pooled(llm: LLM, model: str, group: list[BatchItem], kind: str) -> dict[int, dict]:
@@ -276,15 +269,14 @@ def _pooled(llm: LLM, model: str, group: list[BatchItem], kind: str) -> dict[int
     start = 0
     for item, request, count, k, prompt_tokens in owners:
         mine, start = outputs[start : start + count], start + count
-        usage = p.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens, experts_per_token=k)
+        totals = usage(prompt_tokens, 0, k, any(o.approximate for o in mine) if kind == "classify" else None)
         if kind == "classify":
-            usage.approximate = any(o.approximate for o in mine)
-            body = p.ClassifyResponse(model=model, data=[p.Classification(index=i, label=o.label, probs=o.probs) for i, o in enumerate(mine)], usage=usage)
+            body = p.ClassifyResponse(model=model, data=[p.Classification(index=i, label=o.label, probs=o.probs) for i, o in enumerate(mine)], usage=totals)
         else:
             keep = request.return_token_logprobs  # type: ignore[attr-defined]
             data = [p.Score(index=i, total_logprob=o.total_logprob, num_tokens=o.num_tokens, num_bytes=o.num_bytes,
                             bits_per_byte=o.bits_per_byte, token_logprobs=o.token_logprobs if keep else None) for i, o in enumerate(mine)]
-            body = p.ScoreResponse(model=model, data=data, usage=usage)
+            body = p.ScoreResponse(model=model, data=data, usage=totals)
         results[id(item)] = _response(item, 200, body.model_dump(), prompt_tokens, 0)
     return results
 

@@ -19,6 +19,7 @@ from moe_serve.engine.sequence import Sequence
 from moe_serve.errors import ValidationError
 from moe_serve.llm import score_output
 from moe_serve.sampling_params import SamplingParams
+from moe_serve.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import ClientDisconnected, ModelNotFoundError
 from server.metrics import Metrics
@@ -97,10 +98,10 @@ async def _collect(stream: AsyncIterator[RequestUpdate], n: int) -> _Collected:
     return out
 
 
-def _completion_logprobs(served: ServedModel, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], wanted: int | None) -> p.CompletionLogprobs | None:
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], wanted: int | None) -> p.CompletionLogprobs | None:
+    """OpenAI completions `logprobs` (None unless the request asked for them)."""
     if wanted is None:
         return None
-    tokenizer = served.artifact.tokenizer
 
     def alternatives(top: dict[int, float]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -117,7 +118,7 @@ def _completion_logprobs(served: ServedModel, token_ids: list[int], logprobs: li
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, k: int | None, approximate: bool | None = None) -> p.Usage:
+def usage(prompt_tokens: int, completion_tokens: int, k: int | None, approximate: bool | None = None) -> p.Usage:
     return p.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -192,12 +193,12 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
             choices.append(p.CompletionChoice(
                 index=prompt_index * params.n + i,
                 text=result.texts[i],
-                logprobs=_completion_logprobs(served, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], request.logprobs),
+                logprobs=completion_logprobs(served.artifact.tokenizer, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], request.logprobs),
                 finish_reason=result.finish_reasons[i],
             ))
     completion_tokens = sum(len(t) for r in results for t in r.token_ids)
     state.completion_tokens = completion_tokens
-    return p.CompletionResponse(model=served.name, choices=choices, usage=_usage(sum(map(len, prompts)), completion_tokens, k))
+    return p.CompletionResponse(model=served.name, choices=choices, usage=usage(sum(map(len, prompts)), completion_tokens, k))
 
 
 async def _stream_completion(ctx, served, streams, params, k, include_usage, prompt_tokens, state) -> AsyncIterator[str]:
@@ -207,14 +208,14 @@ async def _stream_completion(ctx, served, streams, params, k, include_usage, pro
         async for prompt_index, update in _merged(streams):
             for u in update.updates:
                 completion_tokens += len(u.token_ids)
-                logprobs = _completion_logprobs(served, u.token_ids, u.logprobs, u.top_logprobs, params.logprobs)
+                logprobs = completion_logprobs(served.artifact.tokenizer, u.token_ids, u.logprobs, u.top_logprobs, params.logprobs)
                 choice = {"index": prompt_index * params.n + u.index, "text": u.text_delta,
                           "logprobs": logprobs.model_dump() if logprobs else None, "finish_reason": u.finish_reason}
                 yield _sse({**header, "choices": [choice]})
             if update.finished:
                 ctx.metrics.record_generation(served.name, "completions", update.sequences)
         if include_usage:
-            yield _sse({**header, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, k).model_dump()})
+            yield _sse({**header, "choices": [], "usage": usage(prompt_tokens, completion_tokens, k).model_dump()})
     except Exception as exc:  # headers are gone: report in-band, then close the stream
         yield _sse({"error": {"message": str(exc) if isinstance(exc, ValidationError) else "internal server error", "type": "internal_error", "param": None, "code": 500}})
     state.completion_tokens = completion_tokens
@@ -253,7 +254,7 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
     completion_tokens = sum(map(len, result.token_ids))
     state.completion_tokens = completion_tokens
     choices = [p.ChatChoice(index=i, message=p.ChatMessageOut(content=result.texts[i]), finish_reason=result.finish_reasons[i]) for i in range(params.n)]
-    return p.ChatCompletionResponse(model=served.name, choices=choices, usage=_usage(len(prompt), completion_tokens, k))
+    return p.ChatCompletionResponse(model=served.name, choices=choices, usage=usage(len(prompt), completion_tokens, k))
 
 
 async def _stream_chat(ctx, served, stream, prompt_tokens, k, request, state) -> AsyncIterator[str]:
@@ -268,7 +269,7 @@ async def _stream_chat(ctx, served, stream, prompt_tokens, k, request, state) ->
             if update.finished:
                 ctx.metrics.record_generation(served.name, "chat", update.sequences)
         if request.stream_options and request.stream_options.include_usage:
-            yield _sse({**header, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, k).model_dump()})
+            yield _sse({**header, "choices": [], "usage": usage(prompt_tokens, completion_tokens, k).model_dump()})
     except Exception:
         yield _sse({"error": {"message": "internal server error", "type": "internal_error", "param": None, "code": 500}})
     state.completion_tokens = completion_tokens
@@ -299,8 +300,8 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
     labels = served.artifact.config.classifier.labels  # type: ignore[union-attr]  # task checked above
     moe = served.artifact.config.moe
     data = [p.Classification(index=i, label=labels[max(range(len(row)), key=row.__getitem__)], probs=dict(zip(labels, row))) for i, row in enumerate(probs)]
-    approximate = bool(moe and moe.router.kind == "soft_merge" and k < moe.num_experts)
-    return p.ClassifyResponse(model=served.name, data=data, usage=_usage(sum(map(len, ids)), 0, reported, approximate))
+    approximate = bool(moe and moe.is_approximate(k))
+    return p.ClassifyResponse(model=served.name, data=data, usage=usage(sum(map(len, ids)), 0, reported, approximate))
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
@@ -320,7 +321,7 @@ async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> 
         out = score_output(served.artifact.tokenizer, row, values, reported, request.return_token_logprobs)
         data.append(p.Score(index=i, total_logprob=out.total_logprob, num_tokens=out.num_tokens, num_bytes=out.num_bytes,
                             bits_per_byte=out.bits_per_byte, token_logprobs=out.token_logprobs))
-    return p.ScoreResponse(model=served.name, data=data, usage=_usage(sum(map(len, ids)), 0, reported))
+    return p.ScoreResponse(model=served.name, data=data, usage=usage(sum(map(len, ids)), 0, reported))
 
 
 async def _unless_disconnected(http: Request, work: Any) -> Any:

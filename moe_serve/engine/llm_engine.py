@@ -6,7 +6,6 @@ Each step reads as three verbs: schedule (admit), run (model + sampler), post-pr
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 
@@ -37,7 +36,6 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._seq_ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -115,7 +113,7 @@ class LLMEngine:
                     generator.seed()
                 else:
                     generator.manual_seed(params.seed + index)
-            seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, k, generator, arrival_time=now)
+            seq = Sequence(request_id, list(prompt_token_ids), params, k, generator, arrival_time=now)
             self.waiting.append(seq)
             seqs.append(seq)
         return seqs

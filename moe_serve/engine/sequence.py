@@ -18,7 +18,6 @@ class SequenceStatus(Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    seq_id: int
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
