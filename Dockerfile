@@ -3,12 +3,16 @@ FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 
 WORKDIR /app
 # The base image's torch satisfies the requirement, so pip keeps it (no second, CPU-only torch).
+# The pipeline's folders install as subpackages of `moe_serve`; only what serving needs is installed (no
+# Shakespeare corpus, no plotting: those are the `eval` extra).
 COPY pyproject.toml README.md ./
 COPY moe_serve ./moe_serve
 COPY server ./server
+COPY batch ./batch
+COPY cli ./cli
 COPY exporters ./exporters
+COPY evaluation ./evaluation
 COPY loadtests ./loadtests
-COPY benchmarks ./benchmarks
 RUN pip install --no-cache-dir . \
  && useradd --create-home --uid 10001 moe
 

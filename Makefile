@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast demos clean
+.PHONY: install install-test system-deps serve test test-fast lint demos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,13 +33,17 @@ serve: install
 demos: install-test
 	$(BIN)/python -m recipes.build_demos
 
-# Everything CI runs, slow integration tests included.
-test: install-test
+# Everything CI runs: the linter and every test, slow integration tests included.
+test: install-test lint
 	$(BIN)/python -m pytest -q
 
-# Skips the tests marked slow.
-test-fast: install-test
+# The development loop (under 90 s): skips the tests marked slow (each costs more than about 2 s).
+test-fast: install-test lint
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -18,18 +18,21 @@ from pathlib import Path
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from exporters.hf import export_hf
 from moe_serve import LLM, SamplingParams
+from moe_serve.exporters.base import ExportOptions
+from moe_serve.exporters.hf import export_hf
+
+NO_PROGRESS = ExportOptions(progress=False)
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 
 
 def build(directory: Path) -> tuple[MixtralForCausalLM, Path]:
-    config = MixtralConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
-    )
+    # fmt: off
+    config = MixtralConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    # fmt: on
     torch.manual_seed(0)
     model = MixtralForCausalLM(config).eval()
     model.save_pretrained(directory / "hf")
@@ -38,14 +41,19 @@ def build(directory: Path) -> tuple[MixtralForCausalLM, Path]:
     from moe_serve.tokenizer import byte_level_tokenizer
 
     PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(directory / "hf")
-    return model, export_hf(directory / "hf", directory / "artifact", progress=False)
+    return model, export_hf(directory / "hf", directory / "artifact", NO_PROGRESS)
 
 
 def time_hf(model: MixtralForCausalLM, prompts: torch.Tensor) -> float:
     with torch.no_grad():
         start = time.perf_counter()
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False)
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
         elapsed = time.perf_counter() - start
     assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
     return elapsed
@@ -79,14 +87,24 @@ def main() -> None:
             ours = time_ours(llm, prompts, args.k)
             hf = time_hf(hf_model, prompts) if args.k == 2 else float("nan")
             tokens = batch * NEW_TOKENS
-            rows.append({"batch": batch, "k": args.k, "moe_serve_tok_s": tokens / ours, "transformers_tok_s": tokens / hf,
-                         "ratio": hf / ours})
+            rows.append(
+                {
+                    "batch": batch,
+                    "k": args.k,
+                    "moe_serve_tok_s": tokens / ours,
+                    "transformers_tok_s": tokens / hf,
+                    "ratio": hf / ours,
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         print(f"{'batch':>5} {'k':>2} {'moe-serve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
         for r in rows:
-            print(f"{r['batch']:>5} {r['k']:>2} {r['moe_serve_tok_s']:>16.1f} {r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}")
+            print(
+                f"{r['batch']:>5} {r['k']:>2} {r['moe_serve_tok_s']:>16.1f} "
+                f"{r['transformers_tok_s']:>19.1f} {r['ratio']:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

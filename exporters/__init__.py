@@ -1,1 +1,28 @@
-"""Checkpoint converters (offline only): `python -m exporters FORMAT SRC DST`. The runtime never imports them."""
+"""Checkpoint converters, offline only (`moe-serve export FORMAT SRC DST`); the runtime never imports them.
+
+FORMATS is the registry: source format -> (module, function[, method]); adding a format is a module with
+an `export(...)` function and a line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from importlib import import_module
+from pathlib import Path
+
+FORMATS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "hf": ("hf", "export_hf", ()),
+    "hyperrouter": ("transformer_xl", "export", ("hyperrouter",)),
+    "smoe": ("transformer_xl", "export", ("smoe",)),
+    "txl-dense": ("transformer_xl", "export", ("txl-dense",)),
+    "moesart": ("genre_encoder", "export", ("moesart",)),
+    "smear": ("genre_encoder", "export", ("smear",)),
+    "topk": ("genre_encoder", "export", ("topk",)),
+}
+
+
+def exporter(fmt: str) -> Callable[..., Path]:
+    """The export function of a source format: f(src, dst, *, dtype, progress, overwrite) -> artifact path."""
+    module, function, args = FORMATS[fmt]
+    return partial(getattr(import_module(f"moe_serve.exporters.{module}"), function), *args)

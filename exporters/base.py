@@ -6,12 +6,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from moe_serve.artifact import save_artifact
 from moe_serve.errors import MoEServeError
+from moe_serve.model_config import ModelConfig
+from moe_serve.tokenizer import Tokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -20,6 +24,30 @@ PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
 
 class ExportError(MoEServeError):
     """The source cannot be exported; the message names the file, key or field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportOptions:
+    dtype: torch.dtype | None = None  # storage dtype (None: as in the source)
+    progress: bool = True  # a progress bar while weights are converted
+    overwrite: bool = False  # replace an existing destination
+
+
+DEFAULT_OPTIONS = ExportOptions()
+
+
+def write(
+    dst: str | Path,
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    provenance: dict,
+    options: ExportOptions,
+) -> Path:
+    """Write the artifact (aside, then renamed into place) with the options' dtype and overwrite rule."""
+    return save_artifact(
+        dst, config, state, tokenizer, provenance=provenance, dtype=options.dtype, overwrite=options.overwrite
+    )
 
 
 class SafetensorsCheckpoint:
@@ -71,7 +99,9 @@ class SafetensorsCheckpoint:
         if name not in self._file_of:
             raise ExportError(f"checkpoint tensor '{name}' is missing")
         if shape is not None and self._shapes[name] != tuple(shape):
-            raise ExportError(f"checkpoint tensor '{name}' has shape {list(self._shapes[name])}, expected {list(shape)}")
+            raise ExportError(
+                f"checkpoint tensor '{name}' has shape {list(self._shapes[name])}, expected {list(shape)}"
+            )
         with safe_open(str(self._file_of[name]), framework="pt") as f:
             return f.get_tensor(name)
 
@@ -132,4 +162,9 @@ class TrainingCheckpoint(SafetensorsCheckpoint):
 
     def provenance(self, exporter: str, folded: str) -> dict:
         keys = ("recipe", "command", "seed", "steps", "split", "metrics")
-        return {"exporter": exporter, "source_sha256": self.sha256(), "folded": folded, **{k: self.record[k] for k in keys if k in self.record}}
+        return {
+            "exporter": exporter,
+            "source_sha256": self.sha256(),
+            "folded": folded,
+            **{k: self.record[k] for k in keys if k in self.record},
+        }

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from exporters.base import ExportError, TrainingCheckpoint
-from moe_serve.artifact import save_artifact
+from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions, TrainingCheckpoint, write
 from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
@@ -94,14 +93,21 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
             if method == "moesart":
                 out[moe_dst + "router.bias"] = ckpt.get(gate + "bias", (n,))
             for name, shape, bias_shape in (("fc1", (f, d), (f,)), ("fc2", (d, f), (d,))):
-                out[moe_dst + f"experts.{name}.weight"] = torch.stack([ckpt.get(f"{moe_src}experts.{e}.{name}.weight", shape) for e in range(n)])
-                out[moe_dst + f"experts.{name}.bias"] = torch.stack([ckpt.get(f"{moe_src}experts.{e}.{name}.bias", bias_shape) for e in range(n)])
+                out[moe_dst + f"experts.{name}.weight"] = torch.stack(
+                    [ckpt.get(f"{moe_src}experts.{e}.{name}.weight", shape) for e in range(n)]
+                )
+                out[moe_dst + f"experts.{name}.bias"] = torch.stack(
+                    [ckpt.get(f"{moe_src}experts.{e}.{name}.bias", bias_shape) for e in range(n)]
+                )
     return out
 
 
 def _smear_layer(ckpt: TrainingCheckpoint, src: str, dst: str, n: int, d: int, m: int) -> dict[str, torch.Tensor]:
     if src + "multi_routers.router_weights" not in ckpt:
-        raise ExportError(f"missing key '{src}multi_routers.router_weights': a SMEAR checkpoint has an adapter controller in every MoE layer")
+        raise ExportError(
+            f"missing key '{src}multi_routers.router_weights': a SMEAR checkpoint has an adapter "
+            f"controller in every MoE layer"
+        )
     router = ckpt.get(src + "multi_routers.router_weights", (1, d, n))[0].float()  # [C, N] input-major
     gain = ckpt.get(src + "multi_routers.multi_router_weights_layer_norms.0.weight", (d,)).float()
     shift = ckpt.get(src + "multi_routers.multi_router_weights_layer_norms.0.bias", (d,)).float()
@@ -111,15 +117,19 @@ def _smear_layer(ckpt: TrainingCheckpoint, src: str, dst: str, n: int, d: int, m
         dst + "router.weight": F.layer_norm(router.t(), (d,), gain, shift, 1e-5),
         dst + "router_norm.weight": ckpt.get(src + "multi_routers.multi_router_layer_norms.0.weight", (d,)),
         dst + "router_norm.bias": ckpt.get(src + "multi_routers.multi_router_layer_norms.0.bias", (d,)),
-        dst + "experts.down.weight": ckpt.get(adapters + "down_samplers_weights", (1, n, d, m))[0].transpose(1, 2).contiguous(),
+        dst + "experts.down.weight": ckpt.get(adapters + "down_samplers_weights", (1, n, d, m))[0]
+        .transpose(1, 2)
+        .contiguous(),
         dst + "experts.down.bias": ckpt.get(adapters + "down_samplers_bias", (1, n, m))[0],
-        dst + "experts.up.weight": ckpt.get(adapters + "up_samplers_weights", (1, n, m, d))[0].transpose(1, 2).contiguous(),
+        dst + "experts.up.weight": ckpt.get(adapters + "up_samplers_weights", (1, n, m, d))[0]
+        .transpose(1, 2)
+        .contiguous(),
     }
 
 
-def export(fmt: str, src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+def export(fmt: str, src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT_OPTIONS) -> Path:
     ckpt = TrainingCheckpoint(Path(src), fmt)
     config = convert_config(ckpt, fmt)
     state = convert_weights(ckpt, config, fmt)
     provenance = ckpt.provenance(f"exporters.genre_encoder ({fmt})", FOLDED[fmt] + "; in_proj split into q/k/v")
-    return save_artifact(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance=provenance, dtype=dtype, overwrite=overwrite)
+    return write(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)

@@ -16,9 +16,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from exporters.base import ExportError, SafetensorsCheckpoint, read_json
-from moe_serve.artifact import save_artifact
 from moe_serve.errors import ConfigError
+from moe_serve.exporters.base import (
+    DEFAULT_OPTIONS,
+    ExportError,
+    ExportOptions,
+    SafetensorsCheckpoint,
+    read_json,
+    write,
+)
 from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RopeScaling, RouterConfig
 from moe_serve.tokenizer import Tokenizer
 
@@ -41,19 +47,41 @@ class HFArchitecture:
 GLU_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 ARCHITECTURES: dict[str, HFArchitecture] = {
     "MixtralForCausalLM": HFArchitecture(
-        "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, ("num_local_experts",),
-        "intermediate_size", None, default_norm_topk_prob=True,
+        "block_sparse_moe",
+        {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+        ("num_local_experts",),
+        "intermediate_size",
+        None,
+        default_norm_topk_prob=True,
     ),
     "Qwen2MoeForCausalLM": HFArchitecture(
-        "mlp", GLU_NAMES, ("num_experts",), "moe_intermediate_size", None,
-        has_shared_expert=True, has_dense_layers=True, default_attention_bias=True,
+        "mlp",
+        GLU_NAMES,
+        ("num_experts",),
+        "moe_intermediate_size",
+        None,
+        has_shared_expert=True,
+        has_dense_layers=True,
+        default_attention_bias=True,
     ),
     "Qwen3MoeForCausalLM": HFArchitecture(
-        "mlp", GLU_NAMES, ("num_experts", "num_local_experts"), "moe_intermediate_size", "per_head", has_dense_layers=True
+        "mlp",
+        GLU_NAMES,
+        ("num_experts", "num_local_experts"),
+        "moe_intermediate_size",
+        "per_head",
+        has_dense_layers=True,
     ),
     "OlmoeForCausalLM": HFArchitecture("mlp", GLU_NAMES, ("num_experts",), "intermediate_size", "full"),
 }
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 def _architecture(hf: dict[str, Any]) -> tuple[str, HFArchitecture]:
@@ -98,7 +126,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def convert_config(hf: dict[str, Any], tokenizer: Tokenizer | None = None, chat_template: str | None = None) -> ModelConfig:
+def convert_config(
+    hf: dict[str, Any], tokenizer: Tokenizer | None = None, chat_template: str | None = None
+) -> ModelConfig:
     """A Hugging Face config.json (as a dict) -> ModelConfig."""
     _, arch = _architecture(hf)
     if hf.get("use_sliding_window") or (hf.get("sliding_window") and hf.get("model_type") == "mixtral"):
@@ -126,7 +156,9 @@ def convert_config(hf: dict[str, Any], tokenizer: Tokenizer | None = None, chat_
     eos = hf.get("eos_token_id")
     eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and 0 <= e < vocab_size)
     if eos is not None and not eos_ids:
-        logger.warning("eos_token_id %s is outside the vocabulary (%d); generation stops only at max_tokens", eos, vocab_size)
+        logger.warning(
+            "eos_token_id %s is outside the vocabulary (%d); generation stops only at max_tokens", eos, vocab_size
+        )
     bos = hf.get("bos_token_id")
     bos = bos if isinstance(bos, int) and 0 <= bos < vocab_size else None
     try:
@@ -166,13 +198,17 @@ def _tokenizer_adds_bos(tokenizer: Tokenizer, bos: int) -> bool:
     return bool(ids) and ids[0] == bos
 
 
-def convert_weights(hf: dict[str, Any], config: ModelConfig, checkpoint: SafetensorsCheckpoint, *, progress: bool = True) -> dict[str, torch.Tensor]:
+def convert_weights(
+    hf: dict[str, Any], config: ModelConfig, checkpoint: SafetensorsCheckpoint, *, progress: bool = True
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under canonical names, experts stacked; every key and shape checked."""
     _, arch = _architecture(hf)
     assert config.moe is not None and config.head_dim is not None and config.num_kv_heads is not None
     d, n = config.hidden_size, config.moe.num_experts
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": checkpoint.get("model.embed_tokens.weight", (config.vocab_size, d))}
+    out: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": checkpoint.get("model.embed_tokens.weight", (config.vocab_size, d))
+    }
     out["norm.weight"] = checkpoint.get("model.norm.weight", (d,))
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = checkpoint.get("lm_head.weight", (config.vocab_size, d))
@@ -193,18 +229,35 @@ def convert_weights(hf: dict[str, Any], config: ModelConfig, checkpoint: Safeten
         if i in config.moe.layers:
             moe = src + arch.moe_prefix + "."
             out[dst + "moe.router.weight"] = checkpoint.get(moe + "gate.weight", (n, d))
-            out.update(_experts(checkpoint, moe + "experts.", dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size))
+            out.update(
+                _experts(
+                    checkpoint, moe + "experts.", dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size
+                )
+            )
             if config.moe.shared_expert is not None:
-                out.update(_glu(checkpoint, moe + "shared_expert.", dst + "moe.shared_expert.", GLU_NAMES, d, config.moe.shared_expert.intermediate_size))
+                out.update(
+                    _glu(
+                        checkpoint,
+                        moe + "shared_expert.",
+                        dst + "moe.shared_expert.",
+                        GLU_NAMES,
+                        d,
+                        config.moe.shared_expert.intermediate_size,
+                    )
+                )
                 out[dst + "moe.shared_expert_gate.weight"] = checkpoint.get(moe + "shared_expert_gate.weight", (1, d))
         else:
             out.update(_glu(checkpoint, src + "mlp.", dst + "ffn.", GLU_NAMES, d, config.ffn.intermediate_size))
     return out
 
 
-def _glu(checkpoint: SafetensorsCheckpoint, src: str, dst: str, names: dict[str, str], d: int, i: int) -> dict[str, torch.Tensor]:
+def _glu(
+    checkpoint: SafetensorsCheckpoint, src: str, dst: str, names: dict[str, str], d: int, i: int
+) -> dict[str, torch.Tensor]:
     shapes = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
-    return {f"{dst}{ours}.weight": checkpoint.get(f"{src}{theirs}.weight", shapes[ours]) for ours, theirs in names.items()}
+    return {
+        f"{dst}{ours}.weight": checkpoint.get(f"{src}{theirs}.weight", shapes[ours]) for ours, theirs in names.items()
+    }
 
 
 def _experts(
@@ -221,7 +274,7 @@ def _experts(
     return {f"{dst}{name}": torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
 
 
-def export_hf(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT_OPTIONS) -> Path:
     """Export a Hugging Face MoE directory. Everything is read and checked before DST is written."""
     src = Path(src)
     if not src.is_dir():
@@ -229,11 +282,13 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = N
     hf = read_json(src / "config.json")
     name, _ = _architecture(hf)
     if not (src / "tokenizer.json").is_file():
-        raise ExportError(f"{src} has no tokenizer.json (only fast tokenizers in tokenizers' JSON format are carried over)")
+        raise ExportError(
+            f"{src} has no tokenizer.json (only fast tokenizers in tokenizers' JSON format are carried over)"
+        )
     tokenizer = Tokenizer.from_file(src / "tokenizer.json")
     config = convert_config(hf, tokenizer, _chat_template(src))
     checkpoint = SafetensorsCheckpoint.from_directory(src)
-    state = convert_weights(hf, config, checkpoint, progress=progress)
+    state = convert_weights(hf, config, checkpoint, progress=options.progress)
     provenance = {
         "exporter": "exporters.hf",
         "source_architecture": name,
@@ -242,7 +297,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = N
         "folded": "per-expert linears stacked into [N, out, in] banks; routing convention kept "
         f"(normalize={config.moe.router.normalize if config.moe else None})",
     }
-    return save_artifact(dst, config, state, tokenizer, provenance=provenance, dtype=dtype, overwrite=overwrite)
+    return write(dst, config, state, tokenizer, provenance, options)
 
 
 def _chat_template(src: Path) -> str | None:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from exporters.base import ExportError, TrainingCheckpoint
-from moe_serve.artifact import save_artifact
+from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions, TrainingCheckpoint, write
 from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
@@ -62,7 +61,10 @@ def fold_hyperrouter_gate(ckpt: TrainingCheckpoint, prefix: str, n: int, d: int)
     """W_r [N, d], b_r [N] = reshape(L2(ReLU(L1(e))), [N, d + 1]), in fp32 as the training gate computes it."""
     hyper = ckpt.hyper("hyper_size")
     e = ckpt.get(prefix + "embedding", (1, d)).float()
-    w1, b1 = ckpt.get(prefix + "hypernet.0.weight", (hyper, d)).float(), ckpt.get(prefix + "hypernet.0.bias", (hyper,)).float()
+    w1, b1 = (
+        ckpt.get(prefix + "hypernet.0.weight", (hyper, d)).float(),
+        ckpt.get(prefix + "hypernet.0.bias", (hyper,)).float(),
+    )
     w2 = ckpt.get(prefix + "hypernet.2.weight", (n * (d + 1), hyper)).float()
     b2 = ckpt.get(prefix + "hypernet.2.bias", (n * (d + 1),)).float()
     wb = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(e, w1, b1)), w2, b2).view(n, d + 1)
@@ -75,53 +77,66 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
     embedding = ckpt.get("word_emb.emb_layers.0.weight", (config.vocab_size, d))
     output = ckpt.get("crit.out_layers.0.weight", (config.vocab_size, d))
     if not torch.equal(embedding, output):
-        raise ExportError("crit.out_layers.0.weight differs from word_emb.emb_layers.0.weight; only tied output layers are supported")
+        raise ExportError(
+            "crit.out_layers.0.weight differs from word_emb.emb_layers.0.weight; only tied output layers are supported"
+        )
     out = {"embed_tokens.weight": embedding, "lm_head_bias": ckpt.get("crit.out_layers.0.bias", (config.vocab_size,))}
     r_w_bias, r_r_bias = ckpt.get("r_w_bias", (h, dh)), ckpt.get("r_r_bias", (h, dh))
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
         q, k, v = ckpt.get(src + "dec_attn.qkv_net.weight", (3 * h * dh, d)).chunk(3, dim=0)
-        out.update({
-            dst + "attn.q_proj.weight": q.contiguous(),
-            dst + "attn.k_proj.weight": k.contiguous(),
-            dst + "attn.v_proj.weight": v.contiguous(),
-            dst + "attn.o_proj.weight": ckpt.get(src + "dec_attn.o_net.weight", (d, h * dh)),
-            dst + "attn.r_proj.weight": ckpt.get(src + "dec_attn.r_net.weight", (h * dh, d)),
-            dst + "attn.r_w_bias": r_w_bias.clone(),
-            dst + "attn.r_r_bias": r_r_bias.clone(),
-            dst + "attn_norm.weight": ckpt.get(src + "dec_attn.layer_norm.weight", (d,)),
-            dst + "attn_norm.bias": ckpt.get(src + "dec_attn.layer_norm.bias", (d,)),
-            dst + "ffn_norm.weight": ckpt.get(src + "pos_ff.layer_norm.weight", (d,)),
-            dst + "ffn_norm.bias": ckpt.get(src + "pos_ff.layer_norm.bias", (d,)),
-        })
+        out.update(
+            {
+                dst + "attn.q_proj.weight": q.contiguous(),
+                dst + "attn.k_proj.weight": k.contiguous(),
+                dst + "attn.v_proj.weight": v.contiguous(),
+                dst + "attn.o_proj.weight": ckpt.get(src + "dec_attn.o_net.weight", (d, h * dh)),
+                dst + "attn.r_proj.weight": ckpt.get(src + "dec_attn.r_net.weight", (h * dh, d)),
+                dst + "attn.r_w_bias": r_w_bias.clone(),
+                dst + "attn.r_r_bias": r_r_bias.clone(),
+                dst + "attn_norm.weight": ckpt.get(src + "dec_attn.layer_norm.weight", (d,)),
+                dst + "attn_norm.bias": ckpt.get(src + "dec_attn.layer_norm.bias", (d,)),
+                dst + "ffn_norm.weight": ckpt.get(src + "pos_ff.layer_norm.weight", (d,)),
+                dst + "ffn_norm.bias": ckpt.get(src + "pos_ff.layer_norm.bias", (d,)),
+            }
+        )
         if config.is_moe_layer(i):
             assert config.moe is not None
             n, f = config.moe.num_experts, config.moe.expert.intermediate_size
             gate = src + "pos_ff.gate."
             if method == "hyperrouter":
                 if gate + "embedding" not in ckpt:
-                    raise ExportError(f"missing key '{gate}embedding': a HyperRouter checkpoint has a hypernetwork router in every MoE layer")
+                    raise ExportError(
+                        f"missing key '{gate}embedding': a HyperRouter checkpoint has a hypernetwork "
+                        f"router in every MoE layer"
+                    )
                 weight, bias = fold_hyperrouter_gate(ckpt, gate, n, d)
             else:
                 if gate + "gate.weight" not in ckpt:
-                    raise ExportError(f"missing key '{gate}gate.weight': an SMoE checkpoint has a linear gate in every MoE layer")
+                    raise ExportError(
+                        f"missing key '{gate}gate.weight': an SMoE checkpoint has a linear gate in every MoE layer"
+                    )
                 weight, bias = ckpt.get(gate + "gate.weight", (n, d)), ckpt.get(gate + "gate.bias", (n,))
-            out.update({
-                dst + "moe.router.weight": weight,
-                dst + "moe.router.bias": bias,
-                dst + "moe.experts.fc1.weight": ckpt.get(src + "pos_ff.experts.htoh4.weight", (n, f, d)),
-                dst + "moe.experts.fc1.bias": ckpt.get(src + "pos_ff.experts.htoh4.bias", (n, f)),
-                dst + "moe.experts.fc2.weight": ckpt.get(src + "pos_ff.experts.h4toh.weight", (n, d, f)),
-                dst + "moe.experts.fc2.bias": ckpt.get(src + "pos_ff.experts.h4toh.bias", (n, d)),
-            })
+            out.update(
+                {
+                    dst + "moe.router.weight": weight,
+                    dst + "moe.router.bias": bias,
+                    dst + "moe.experts.fc1.weight": ckpt.get(src + "pos_ff.experts.htoh4.weight", (n, f, d)),
+                    dst + "moe.experts.fc1.bias": ckpt.get(src + "pos_ff.experts.htoh4.bias", (n, f)),
+                    dst + "moe.experts.fc2.weight": ckpt.get(src + "pos_ff.experts.h4toh.weight", (n, d, f)),
+                    dst + "moe.experts.fc2.bias": ckpt.get(src + "pos_ff.experts.h4toh.bias", (n, d)),
+                }
+            )
         else:
             inner = config.ffn.intermediate_size
-            out.update({
-                dst + "ffn.fc1.weight": ckpt.get(src + "pos_ff.CoreNet.0.weight", (inner, d)),
-                dst + "ffn.fc1.bias": ckpt.get(src + "pos_ff.CoreNet.0.bias", (inner,)),
-                dst + "ffn.fc2.weight": ckpt.get(src + "pos_ff.CoreNet.3.weight", (d, inner)),
-                dst + "ffn.fc2.bias": ckpt.get(src + "pos_ff.CoreNet.3.bias", (d,)),
-            })
+            out.update(
+                {
+                    dst + "ffn.fc1.weight": ckpt.get(src + "pos_ff.CoreNet.0.weight", (inner, d)),
+                    dst + "ffn.fc1.bias": ckpt.get(src + "pos_ff.CoreNet.0.bias", (inner,)),
+                    dst + "ffn.fc2.weight": ckpt.get(src + "pos_ff.CoreNet.3.weight", (d, inner)),
+                    dst + "ffn.fc2.bias": ckpt.get(src + "pos_ff.CoreNet.3.bias", (d,)),
+                }
+            )
     return out
 
 
@@ -132,10 +147,10 @@ FOLDED = {
 }
 
 
-def export(fmt: str, src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+def export(fmt: str, src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT_OPTIONS) -> Path:
     method = METHODS[fmt]
     ckpt = TrainingCheckpoint(Path(src), method)
     config = convert_config(ckpt, method)
     state = convert_weights(ckpt, config, method)
     provenance = ckpt.provenance(f"exporters.transformer_xl ({fmt})", FOLDED[method] + "; qkv_net split into q/k/v")
-    return save_artifact(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance=provenance, dtype=dtype, overwrite=overwrite)
+    return write(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)

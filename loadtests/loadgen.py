@@ -23,8 +23,14 @@ from dataclasses import asdict, dataclass
 import httpx
 
 PROMPTS = [
-    "ROMEO.\n", "JULIET.\nO Romeo, Romeo,", "HAMLET.\nTo be, or not to be,", "MACBETH.\nIs this a dagger",
-    "KING LEAR.\nBlow, winds,", "PORTIA.\nThe quality of mercy", "PUCK.\nIf we shadows have offended,", "IAGO.\nO, beware, my lord,",
+    "ROMEO.\n",
+    "JULIET.\nO Romeo, Romeo,",
+    "HAMLET.\nTo be, or not to be,",
+    "MACBETH.\nIs this a dagger",
+    "KING LEAR.\nBlow, winds,",
+    "PORTIA.\nThe quality of mercy",
+    "PUCK.\nIf we shadows have offended,",
+    "IAGO.\nO, beware, my lord,",
 ]
 
 
@@ -50,9 +56,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: str, k: int, max_tokens: int) -> tuple[float, float, int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
-            "stream_options": {"include_usage": True}, "experts_per_token": k, "ignore_eos": True}
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: str, k: int, max_tokens: int
+) -> tuple[float, float, int]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "experts_per_token": k,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     first, tokens = None, 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -70,7 +86,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, k: int, 
     return time.perf_counter() - start, first or float("nan"), tokens
 
 
-async def run_cell(url: str, model: str, concurrency: int, k: int, requests: int, rate: float | None, max_tokens: int, seed: int) -> Cell:
+async def run_cell(
+    url: str, model: str, concurrency: int, k: int, requests: int, rate: float | None, max_tokens: int, seed: int
+) -> Cell:
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     latencies, ttfts, tokens, errors = [], [], 0, 0
@@ -87,7 +105,9 @@ async def run_cell(url: str, model: str, concurrency: int, k: int, requests: int
         ttfts.append(ttft)
         tokens += n
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)
+    ) as http:
         start = time.perf_counter()
         tasks = []
         for index in range(requests):  # open loop: schedule arrivals without waiting for completions
@@ -97,8 +117,19 @@ async def run_cell(url: str, model: str, concurrency: int, k: int, requests: int
         await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
     done = len(latencies)
-    return Cell(concurrency, k, done, errors, seconds, done / seconds, tokens / seconds,
-                percentile(latencies, 0.5), percentile(latencies, 0.99), percentile(ttfts, 0.5), percentile(ttfts, 0.99))
+    return Cell(
+        concurrency,
+        k,
+        done,
+        errors,
+        seconds,
+        done / seconds,
+        tokens / seconds,
+        percentile(latencies, 0.5),
+        percentile(latencies, 0.99),
+        percentile(ttfts, 0.5),
+        percentile(ttfts, 0.99),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--k", default="1", help="comma-separated experts_per_token values")
-    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default: 4 x concurrency, at least 8)")
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrival rate in requests/s (default: unthrottled)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per cell (default: 4 x concurrency, at least 8)"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="Poisson arrival rate in requests/s (default: unthrottled)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None)
@@ -122,15 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for k in (int(k) for k in args.k.split(",")):
             requests = args.requests or max(8, 4 * concurrency)
-            cell = asyncio.run(run_cell(args.url, args.model, concurrency, k, requests, args.rate, args.max_tokens, args.seed))
+            cell = asyncio.run(
+                run_cell(args.url, args.model, concurrency, k, requests, args.rate, args.max_tokens, args.seed)
+            )
             cells.append(cell)
-            print(f"c={cell.concurrency:<3} k={cell.k:<2} {cell.requests_per_s:7.2f} req/s {cell.tokens_per_s:8.1f} tok/s  "
-                  f"latency p50 {cell.latency_p50_s:6.3f}s p99 {cell.latency_p99_s:6.3f}s  "
-                  f"ttft p50 {cell.ttft_p50_s:6.3f}s p99 {cell.ttft_p99_s:6.3f}s  errors {cell.errors}", flush=True)
+            print(
+                f"c={cell.concurrency:<3} k={cell.k:<2} {cell.requests_per_s:7.2f} req/s "
+                f"{cell.tokens_per_s:8.1f} tok/s  "
+                f"latency p50 {cell.latency_p50_s:6.3f}s p99 {cell.latency_p99_s:6.3f}s  "
+                f"ttft p50 {cell.ttft_p50_s:6.3f}s p99 {cell.ttft_p99_s:6.3f}s  errors {cell.errors}",
+                flush=True,
+            )
     rows = [asdict(c) for c in cells]
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "rate": args.rate, "cells": rows}, f, indent=2)
+            json.dump(
+                {"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "rate": args.rate, "cells": rows},
+                f,
+                indent=2,
+            )
     if args.csv_path:
         with open(args.csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -141,4 +186,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moe_serve.datasets import shakespeare
+from moe_serve.evaluation.datasets import shakespeare
 
 
 def main() -> None:
@@ -29,7 +29,10 @@ def main() -> None:
             text, genre = passages[i % len(passages)]
             kind = i % 3
             if kind == 0:
-                record = {"url": "/v1/completions", "body": {"model": args.lm, "prompt": text[:80], "max_tokens": args.max_tokens, "temperature": 0}}
+                record = {
+                    "url": "/v1/completions",
+                    "body": {"model": args.lm, "prompt": text[:80], "max_tokens": args.max_tokens, "temperature": 0},
+                }
             elif kind == 1:
                 record = {"url": "/v1/score", "body": {"model": args.lm, "input": text}}
             else:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
+from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
 
 FORMAT = "moe-serve"
@@ -32,7 +33,6 @@ SUPPORTED_FORMAT_VERSIONS = (1,)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
-QUALITY_FILE = "quality.json"
 STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -46,7 +46,7 @@ class Artifact:
     tokenizer: Tokenizer
     model: MoETransformer
     provenance: dict[str, Any] = field(default_factory=dict)
-    quality: dict[str, Any] | None = None
+    quality: QualityTable | None = None
 
     @property
     def name(self) -> str:
@@ -84,7 +84,9 @@ def save_artifact(
     if dst.exists() and not overwrite:
         raise ArtifactError(f"{dst} already exists (pass overwrite=True to replace it)")
     if tokenizer.vocab_size > config.vocab_size:
-        raise ArtifactError(f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}")
+        raise ArtifactError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
+        )
     _check_tensors(config, {name: tuple(t.shape) for name, t in state_dict.items()})
     tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in state_dict.items()}
     for name, t in tensors.items():
@@ -132,7 +134,7 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{config_path} is not a moe-serve artifact config (\"format\" must be \"{FORMAT}\")")
+        raise ArtifactError(f'{config_path} is not a moe-serve artifact config ("format" must be "{FORMAT}")')
     version = manifest.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         supported = ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
@@ -187,9 +189,7 @@ def load_artifact(
         raise ArtifactError(
             f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
         )
-    quality = None
-    if (path / QUALITY_FILE).is_file():
-        quality = json.loads((path / QUALITY_FILE).read_text())
+    quality = QualityTable.read(path / QUALITY_FILE) if (path / QUALITY_FILE).is_file() else None
     return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality)
 
 
@@ -201,7 +201,8 @@ def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:
         actual = sha256_file(path / name)
         if actual != recorded:
             raise ArtifactError(
-                f"checksum mismatch for {name}: config.json records sha256 {recorded[:16]}…, the file has {actual[:16]}…"
+                f"checksum mismatch for {name}: config.json records sha256 {recorded[:16]}…, the file "
+                f"has {actual[:16]}…"
             )
 
 

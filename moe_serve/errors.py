@@ -24,3 +24,27 @@ class ArtifactError(MoEServeError):
 
 class ConfigError(ArtifactError, ValueError):
     """A model config field is missing or out of range."""
+
+
+class ModelNotFoundError(MoEServeError):
+    """A request names a model that is not served (HTTP 404)."""
+
+    def __init__(self, name: str, available: list[str]) -> None:
+        super().__init__(f"model '{name}' does not exist; served models: {', '.join(available)}")
+        self.name = name
+
+
+class EngineOverloadedError(MoEServeError):
+    """Too many requests are waiting; retry after `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStoppedError(MoEServeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+class ClientDisconnectedError(MoEServeError):
+    """The client went away before its response was ready (logged as 499)."""

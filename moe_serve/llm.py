@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,9 @@ from tqdm.auto import tqdm
 
 from moe_serve.artifact import Artifact, load_artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine import pooling
+from moe_serve.engine.inputs import GenerationRequest
 from moe_serve.engine.llm_engine import LLMEngine
-from moe_serve.engine.pooling import class_probabilities, token_logprobs
 from moe_serve.errors import ValidationError
 from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
 from moe_serve.registry import resolve_model
@@ -42,6 +42,7 @@ class LLM:
         self.config = self.artifact.config
         self.tokenizer = self.artifact.tokenizer
         self.engine = LLMEngine(self.artifact, self.engine_config, device)
+        self.inputs = self.engine.inputs
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -53,53 +54,55 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); one SamplingParams for all or one per prompt."""
-        self._require_task("causal_lm", "generate")
+        self.inputs.require_task("causal_lm", "generate")
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        prompt_ids = [self._encode_prompt(p) for p in prompt_list]
-        for ids, params in zip(prompt_ids, params_list):  # validate everything before running anything
-            self.engine.check_request(ids, params)
-        requests = []
+        # Everything is validated before anything runs.
+        requests = [
+            self.inputs.generation_request(self._encode_prompt(p), params)
+            for p, params in zip(prompt_list, params_list, strict=True)
+        ]
+        outputs = self.run(requests, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompt_list, strict=True):
+            output.prompt = prompt if isinstance(prompt, str) else None
+        return outputs
+
+    def run(self, requests: list[GenerationRequest], *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run validated requests (from `self.inputs.generation_request`) to completion, batched together."""
+        sequences = []
         try:
-            for index, (ids, params) in enumerate(zip(prompt_ids, params_list)):
-                requests.append(self.engine.add_request(str(index), ids, params))
-            total = sum(p.max_tokens * p.n for p in params_list)
+            for index, request in enumerate(requests):
+                sequences.append(self.engine.add_request(str(index), request))
+            total = sum(r.params.max_tokens * r.params.n for r in requests)
             with tqdm(total=total, disable=not use_tqdm, desc="generate", unit="tok") as bar:
                 while self.engine.has_unfinished():
                     bar.update(len(self.engine.step()))
         except BaseException:
             # Leave the engine clean for the next call, whatever went wrong in this one.
-            for index in range(len(requests)):
+            for index in range(len(sequences)):
                 self.engine.abort(str(index))
             raise
         return [
             RequestOutput(
                 request_id=str(index),
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=ids,
+                prompt=None,
+                prompt_token_ids=request.prompt_token_ids,
                 outputs=[_completion(i, s) for i, s in enumerate(seqs)],
-                experts_per_token=seqs[0].experts_per_token if self.config.moe else None,
+                experts_per_token=self.config.reported_k(request.k),
             )
-            for index, (prompt, ids, seqs) in enumerate(zip(prompt_list, prompt_ids, requests))
+            for index, (request, seqs) in enumerate(zip(requests, sequences, strict=True))
         ]
 
     # ---- classification and scoring -------------------------------------------------------------
 
-    def classify(self, texts: str | SequenceABC[str], experts_per_token: int | SequenceABC[int] | None = None) -> list[ClassificationOutput]:
-        self._require_task("sequence_classification", "classify")
+    def classify(
+        self, texts: str | SequenceABC[str], experts_per_token: int | SequenceABC[int] | None = None
+    ) -> list[ClassificationOutput]:
+        self.inputs.require_task("sequence_classification", "classify")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
-        token_ids = [self.engine.encode_text(t, "input") for t in text_list]
-        assert self.config.classifier is not None
-        labels = self.config.classifier.labels
-        moe = self.config.moe
-        probs = class_probabilities(self.engine.runner, token_ids, ks, self.engine_config.max_num_seqs)
-        results = []
-        for k, row in zip(ks, probs):
-            best = max(range(len(labels)), key=row.__getitem__)
-            approximate = bool(moe and moe.is_approximate(k))
-            results.append(ClassificationOutput(labels[best], dict(zip(labels, row)), k if moe else None, approximate))
-        return results
+        token_ids = [self.inputs.encode_text(t, "input") for t in text_list]
+        return pooling.classify(self.engine.runner, token_ids, ks, self.engine_config.max_num_seqs)
 
     def score(
         self,
@@ -110,56 +113,31 @@ class LLM:
     ) -> list[ScoreOutput]:
         """Log-likelihood of each text under the LM. Every token after the first is scored; models with
         add_bos_token start the text with BOS, so all of the text's own tokens are scored."""
-        self._require_task("causal_lm", "score")
+        self.inputs.require_task("causal_lm", "score")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
-        sequences = []
-        for text in text_list:
-            ids = self.engine.encode_text(text, "input")
-            if len(ids) < 2:
-                raise ValidationError(
-                    "input must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
-                )
-            sequences.append(ids)
-        results = []
-        for ids, k, per_token in zip(sequences, ks, token_logprobs(self.engine.runner, sequences, ks, self.engine_config.max_num_seqs)):
-            results.append(score_output(self.tokenizer, ids, per_token, k if self.config.moe else None, return_token_logprobs))
-        return results
+        token_ids = [self.inputs.check_score_input(self.inputs.encode_text(t, "input")) for t in text_list]
+        return pooling.score(
+            self.engine.runner, self.tokenizer, token_ids, ks, self.engine_config.max_num_seqs, return_token_logprobs
+        )
 
     # ---- helpers --------------------------------------------------------------------------------
-
-    def _require_task(self, task: str, method: str) -> None:
-        if self.config.task != task:
-            raise ValidationError(f"{method} needs a {task} model; '{self.artifact.name}' is {self.config.task}", parameter="model")
 
     def _resolve_ks(self, value: int | SequenceABC[int] | None, count: int) -> list[int]:
         if isinstance(value, SequenceABC) and not isinstance(value, str):
             if len(value) != count:
-                raise ValidationError(f"experts_per_token has {len(value)} entries for {count} inputs", parameter="experts_per_token")
-            return [self.engine.resolve_experts_per_token(v) for v in value]
-        return [self.engine.resolve_experts_per_token(value)] * count  # type: ignore[arg-type]
+                raise ValidationError(
+                    f"experts_per_token has {len(value)} entries for {count} inputs", parameter="experts_per_token"
+                )
+            return [self.inputs.resolve_k(v) for v in value]
+        return [self.inputs.resolve_k(value)] * count  # type: ignore[arg-type]
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.encode_text(prompt, "prompt")
+            return self.inputs.encode_text(prompt, "prompt")
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValidationError("a token-id prompt must be a non-empty list of integers", parameter="prompt")
         return list(prompt)
-
-
-
-def score_output(tokenizer: Any, ids: list[int], per_token: list[float], k: int | None, keep_tokens: bool) -> ScoreOutput:
-    """Totals for one scored sequence; bytes are those of the scored tokens (special tokens count 0)."""
-    num_bytes = len(tokenizer.decode(ids[1:]).encode("utf-8"))
-    total = float(sum(per_token))
-    return ScoreOutput(
-        total_logprob=total,
-        num_tokens=len(ids) - 1,
-        num_bytes=num_bytes,
-        bits_per_byte=-total / math.log(2) / max(num_bytes, 1),
-        experts_per_token=k,
-        token_logprobs=per_token if keep_tokens else None,
-    )
 
 
 def _completion(index: int, seq: Any) -> CompletionOutput:

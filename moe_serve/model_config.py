@@ -69,7 +69,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
             value = tuple(value)
         kwargs[key] = value
     required = [
-        f.name for f in dataclasses.fields(cls)
+        f.name
+        for f in dataclasses.fields(cls)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
     ]
     missing = [name for name in required if name not in kwargs]
@@ -267,7 +268,8 @@ class ModelConfig:
             bad = [i for i in self.moe.layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
             if bad or len(set(self.moe.layers)) != len(self.moe.layers):
                 raise ConfigError(
-                    f"moe.layers must be distinct layer indices in 0..{self.num_layers - 1}; got {list(self.moe.layers)}"
+                    f"moe.layers must be distinct layer indices in 0..{self.num_layers - 1}; got "
+                    f"{list(self.moe.layers)}"
                 )
             if self.moe.router.kind == "soft_merge" and self.task != "sequence_classification":
                 raise ConfigError(
@@ -298,6 +300,14 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
+
+    def reported_k(self, k: int) -> int | None:
+        """The k a result reports: None for a model without MoE layers, where k means nothing."""
+        return k if self.moe is not None else None
+
+    def is_approximate(self, k: int) -> bool:
+        """Whether results at k are an approximation of the trained method (flagged in responses)."""
+        return self.moe is not None and self.moe.is_approximate(k)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -16,12 +16,27 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class SequenceTiming:
+    """When one completion was first scheduled and when each of its tokens came (time.monotonic())."""
+
+    first_scheduled_time: float | None
+    token_times: list[float]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    sequences: list[SequenceTiming]  # one per completion
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     experts_per_token: int | None  # None for a dense model
+    metrics: RequestMetrics | None = None
 
     @property
     def num_generated_tokens(self) -> int:

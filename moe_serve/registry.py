@@ -25,3 +25,8 @@ def resolve_model(model: str | Path) -> Path:
         return bundled[str(model)]
     names = ", ".join(bundled) or "none"
     raise ArtifactError(f"no artifact directory '{model}' and no bundled model of that name (bundled: {names})")
+
+
+def is_bundled(path: Path) -> bool:
+    """Whether `path` is one of the bundled demos (read-only package data)."""
+    return Path(path).resolve().parent == BUNDLED_DIR.resolve()

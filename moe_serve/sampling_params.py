@@ -3,10 +3,11 @@ call without the HTTP layer; errors name the offending parameter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from moe_serve.errors import ValidationError
+from moe_serve.options import option
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -18,34 +19,24 @@ def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
         raise ValidationError(f"{name} must be {bound}, got {value}", parameter=name, value=value)
 
 
-def check_experts_per_token(value: Any, min_k: int, max_k: int) -> None:
-    check_int("experts_per_token", value, min_k, max_k)
-
-
 @dataclass(slots=True)
 class SamplingParams:
-    """Args:
-    max_tokens: tokens to generate at most.
-    temperature: 0 means greedy.
-    top_p, top_k: nucleus and top-k (tokens) filtering; top_k = 0 disables it.
-    seed: makes a request's sampled text reproducible, whatever it is batched with.
-    stop: strings that end generation; the output is cut before the first occurrence.
-    n: completions per prompt.
-    logprobs: also return the log-probability of each generated token (and this many alternatives).
-    experts_per_token: the request's k (None: the model's default).
-    ignore_eos: keep generating past the end-of-text token.
-    """
+    """How one request generates; `verify()` runs on construction. Each field's help is its documentation."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    n: int = 1
-    logprobs: int | None = None
-    experts_per_token: int | None = None
-    ignore_eos: bool = False
+    max_tokens: int = option(16, "tokens to generate at most")
+    temperature: float = option(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches top_p")
+    top_k: int = option(0, "keep the top_k most likely tokens (0: all)")
+    seed: int | None = option(None, "makes the sampled text reproducible, whatever the request is batched with")
+    stop: list[str] = option(
+        help="a string that ends generation (repeatable); the output is cut before it", factory=list, action="append"
+    )
+    n: int = option(1, "completions per prompt", flags=("-n",))
+    logprobs: int | None = option(None, "also return each generated token's log-probability and this many alternatives")
+    experts_per_token: int | None = option(
+        None, "the request's k, active experts per token (default: the model's)", flags=("-k",)
+    )
+    ignore_eos: bool = option(False, "keep generating past the end-of-text token")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

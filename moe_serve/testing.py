@@ -29,4 +29,11 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.1) -> d
 def create_random_artifact(path: str | Path, config: ModelConfig, seed: int = 0, **save_kwargs) -> Path:
     """Write a random-weight artifact with the byte-level tokenizer (vocab_size must be >= 257)."""
     provenance = {"exporter": "moe_serve.testing.create_random_artifact", "seed": seed}
-    return save_artifact(path, config, random_state_dict(config, seed), Tokenizer(byte_level_tokenizer()), provenance=provenance, **save_kwargs)
+    return save_artifact(
+        path,
+        config,
+        random_state_dict(config, seed),
+        Tokenizer(byte_level_tokenizer()),
+        provenance=provenance,
+        **save_kwargs,
+    )

@@ -15,7 +15,9 @@ END_OF_TEXT = "<|endoftext|>"
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (what ByteLevel pre-tokenizers emit)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -23,7 +25,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def byte_level_tokenizer() -> HFTokenizer:

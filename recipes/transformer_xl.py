@@ -92,7 +92,9 @@ class HyperRouterGate(nn.Module):
         self.num_experts, self.d_model = cfg.num_experts, cfg.d_model
         self.embedding = nn.Parameter(torch.randn(1, cfg.d_model))
         self.hypernet = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.hyper_size), nn.ReLU(), nn.Linear(cfg.hyper_size, cfg.num_experts * (cfg.d_model + 1))
+            nn.Linear(cfg.d_model, cfg.hyper_size),
+            nn.ReLU(),
+            nn.Linear(cfg.hyper_size, cfg.num_experts * (cfg.d_model + 1)),
         )
         for layer in (self.hypernet[0], self.hypernet[2]):
             nn.init.normal_(layer.weight, std=0.02)
@@ -163,8 +165,11 @@ class PositionwiseFF(nn.Module):
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
         self.CoreNet = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(), nn.Dropout(cfg.dropout),
-            nn.Linear(cfg.d_inner, cfg.d_model), nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.d_model, cfg.d_inner),
+            nn.ReLU(),
+            nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.d_inner, cfg.d_model),
+            nn.Dropout(cfg.dropout),
         )
         self.layer_norm = nn.LayerNorm(cfg.d_model)
 

@@ -1,36 +1,38 @@
-"""Server settings: parsed once from the command line / environment and passed explicitly."""
+"""Server settings: parsed once from the command line (options derived from these fields) and the
+environment, and passed explicitly. The engine's and the requests' own settings are nested objects."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
+from moe_serve.config import EngineConfig, RequestLimits
+from moe_serve.options import option
+
 ExpertMetrics = Literal["full", "summary", "off"]
+EXPERT_METRICS = ("full", "summary", "off")
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """Args:
-    models: artifact directories or bundled names (empty: every bundled demo model).
-    api_key: when set, /v1/* needs `Authorization: Bearer <key>` (env MOE_SERVE_API_KEY).
-    max_tokens_cap: the largest max_tokens a request may ask for.
-    max_body_bytes: larger request bodies get 413.
-    max_waiting: queued requests per model beyond which new ones get 429.
-    expert_metrics: per-expert counters ("full"), bounded per-layer summaries ("summary"), or none.
-    drain_timeout: seconds SIGTERM waits for in-flight requests.
-    """
+    models: tuple[str, ...] = option((), "artifact directories or bundled names (none: every bundled demo)", cli=False)
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(
+        None, "require Authorization: Bearer KEY on /v1/* (default: the environment variable MOE_SERVE_API_KEY)"
+    )
+    max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    expert_metrics: ExpertMetrics = option(
+        "full",
+        "per-expert counters (full), bounded per-layer summaries (summary) or none (off)",
+        choices=EXPERT_METRICS,
+    )
+    drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")
+    log_level: str = option("info", "debug, info, warning or error")
+    engine: EngineConfig = option(factory=EngineConfig, cli=False)
+    limits: RequestLimits = option(factory=RequestLimits, cli=False)
 
-    models: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default_factory=lambda: os.environ.get("MOE_SERVE_API_KEY") or None)
-    max_tokens_cap: int = 4096
-    max_body_bytes: int = 1 << 20
-    max_waiting: int = 256
-    max_num_seqs: int = 32
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    device: str = "auto"
-    expert_metrics: ExpertMetrics = "full"
-    drain_timeout: float = 30.0
+    def __post_init__(self) -> None:
+        if self.api_key is None and os.environ.get("MOE_SERVE_API_KEY"):
+            object.__setattr__(self, "api_key", os.environ["MOE_SERVE_API_KEY"])

@@ -67,6 +67,8 @@ def make_artifact(tmp_path: Path):
     counter = iter(range(10_000))
 
     def make(config: ModelConfig | None = None, seed: int = 0, **kwargs) -> Path:
-        return create_random_artifact(tmp_path / f"artifact-{next(counter)}", config or lm_config(), seed=seed, **kwargs)
+        return create_random_artifact(
+            tmp_path / f"artifact-{next(counter)}", config or lm_config(), seed=seed, **kwargs
+        )
 
     return make

@@ -77,7 +77,7 @@ def reference_moe(block: MoEBlock, x: torch.Tensor, token_mask: torch.Tensor, ks
             chosen = choose(logits, ks[b])
             weights = combine_weights("topk_softmax", True, logits, chosen)
             merged: dict[str, torch.Tensor | None] = {}
-            for e, w in zip(chosen, weights):
+            for e, w in zip(chosen, weights, strict=True):
                 for name, p in expert_params(block, e).items():
                     if p is not None:
                         merged[name] = merged.get(name, 0) + w * p.double()  # type: ignore[operator]
@@ -95,7 +95,7 @@ def reference_moe(block: MoEBlock, x: torch.Tensor, token_mask: torch.Tensor, ks
                 chosen = choose(logits, ks[b])
                 weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
                 y = torch.zeros_like(token)
-                for e, w in zip(chosen, weights):
+                for e, w in zip(chosen, weights, strict=True):
                     params = {n: None if p is None else p.double() for n, p in expert_params(block, e).items()}
                     y = y + w * run_expert(cfg.expert, params, token)
                 out[b, l] = y.to(x.dtype)

@@ -1,35 +1,79 @@
-"""The moe-serve command line, run as a user runs it (a subprocess of the installed console script)."""
+"""The moe-serve command line: every command in-process through the one entry point (`main`), and one
+smoke test of the installed console script as a user runs it."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
+from moe_serve.cli import main
 from tests.conftest import classifier_config
 
-CLI = [sys.executable, "-m", "server.cli"]
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
+@pytest.fixture
+def run(capsys):
+    def run(*args: str, check: bool = True) -> Result:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        if check:
+            assert code == 0, err
+        return Result(code, out, err)
+
+    return run
 
 
-def test_generate_json_reports_k_and_completions(make_artifact) -> None:
+def test_console_script_is_the_same_program() -> None:
+    """The installed `moe-serve` and `python -m moe_serve` start, parse and answer (a real subprocess)."""
+    script = subprocess.run(
+        ["moe-serve", "models", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": f"{sys.prefix}/bin"},
+    )
+    assert script.returncode == 0, script.stderr
+    module = subprocess.run(
+        [sys.executable, "-m", "moe_serve", "models", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert json.loads(script.stdout) == json.loads(module.stdout) and "shakespeare-smoe" in json.loads(module.stdout)
+
+
+def test_generate_json_reports_k_and_completions(make_artifact, run) -> None:
     path = make_artifact()
-    out = json.loads(run("generate", str(path), "--prompt", "ROMEO.", "--prompt", "JULIET.", "--max-tokens", "5",
-                         "-k", "3", "--seed", "1", "--json").stdout)
+    out = json.loads(
+        run(
+            "generate",
+            str(path),
+            "--prompt",
+            "ROMEO.",
+            "--prompt",
+            "JULIET.",
+            "--max-tokens",
+            "5",
+            "-k",
+            "3",
+            "--seed",
+            "1",
+            "--json",
+        ).stdout
+    )
     assert [o["prompt"] for o in out] == ["ROMEO.", "JULIET."]
     assert all(o["experts_per_token"] == 3 for o in out)
     assert all(c["num_tokens"] <= 5 for o in out for c in o["completions"])
 
 
-def test_score_and_classify(make_artifact) -> None:
+def test_score_and_classify(make_artifact, run) -> None:
     lm = make_artifact()
     scored = json.loads(run("score", str(lm), "To be, or not to be", "--json").stdout)
     assert scored[0]["num_bytes"] == 19 and scored[0]["bits_per_byte"] > 0 and scored[0]["experts_per_token"] == 2
@@ -39,7 +83,7 @@ def test_score_and_classify(make_artifact) -> None:
     assert label in {"comedy", "history", "tragedy"} and "approximate" in text
 
 
-def test_inspect_lists_experts_and_active_parameters(make_artifact) -> None:
+def test_inspect_lists_experts_and_active_parameters(make_artifact, run) -> None:
     path = make_artifact()
     summary = json.loads(run("inspect", str(path), "--json").stdout)
     assert summary["moe"]["num_experts"] == 4
@@ -61,8 +105,24 @@ def test_inspect_lists_experts_and_active_parameters(make_artifact) -> None:
         (["score", "/nonexistent/model", "x"], "no artifact directory '/nonexistent/model'"),
     ],
 )
-def test_errors_are_one_line_without_traceback(make_artifact, args: list[str], message: str) -> None:
+def test_errors_are_one_line_without_traceback(make_artifact, run, args: list[str], message: str) -> None:
     path = make_artifact()
     result = run(*[a.format(model=path) for a in args], check=False)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_eval_writes_to_its_output_dir_never_into_a_bundled_demo(run, tmp_path) -> None:
+    from moe_serve.registry import resolve_model
+
+    bundled = resolve_model("genre-topk") / "quality.json"
+    before = bundled.read_bytes()
+    args = ["eval", "genre-topk", "--k", "1,2", "--max-items", "6", "--output-dir", str(tmp_path), "--json"]
+    out = json.loads(run(*args).stdout)
+    assert {(r["k"], r["metric"]) for r in out["results"]} == {(k, m) for k in (1, 2) for m in ("accuracy", "macro_f1")}
+    assert out["files"]["quality_json"] == {"genre-topk": [str(tmp_path / "genre-topk" / "quality.json")]}
+    assert (tmp_path / "quality.csv").is_file() and (tmp_path / "quality_vs_k.png").is_file()
+    refused = run(*args, "--write-artifact", check=False)
+    assert refused.returncode == 2 and "bundled demo: its quality table is read-only data" in refused.stderr
+    assert bundled.read_bytes() == before

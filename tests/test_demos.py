@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_serve import LLM, SamplingParams
-from moe_serve.datasets.shakespeare import GENRES, passages, split
+from moe_serve.evaluation.datasets.shakespeare import GENRES, passages, split
 from moe_serve.registry import bundled_models, resolve_model
 
 LMS = ("shakespeare-hyperrouter", "shakespeare-smoe", "shakespeare-dense")
@@ -26,6 +26,7 @@ def test_all_demos_are_bundled_and_small() -> None:
         assert resolve_model(name) == path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LMS)
 def test_language_models_learned_shakespeare(name: str) -> None:
     llm = LLM(name)
@@ -34,7 +35,9 @@ def test_language_models_learned_shakespeare(name: str) -> None:
     assert llm.score(text, experts_per_token=k)[0].bits_per_byte < 3.2  # uniform bytes: 8; a constant guess: about 4.5
     if llm.config.moe is not None:
         for k in (1, llm.config.moe.max_k):
-            out = llm.generate("ROMEO.\n", SamplingParams(max_tokens=60, temperature=0.7, seed=0, experts_per_token=k))[0]
+            out = llm.generate("ROMEO.\n", SamplingParams(max_tokens=60, temperature=0.7, seed=0, experts_per_token=k))[
+                0
+            ]
             assert sum(c.isalpha() or c.isspace() for c in out.outputs[0].text) > 45
 
 
@@ -44,5 +47,5 @@ def test_classifiers_beat_chance_on_held_out_plays(name: str) -> None:
     items = passages(split(held_out=True), 256, stride=1500)[:120]
     results = llm.classify([t for t, _ in items])
     assert {r.label for r in results} <= set(GENRES)
-    accuracy = sum(r.label == g for r, (_, g) in zip(results, items)) / len(items)
+    accuracy = sum(r.label == g for r, (_, g) in zip(results, items, strict=True)) / len(items)
     assert accuracy > 1.5 / len(GENRES), accuracy

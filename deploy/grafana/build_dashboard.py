@@ -11,51 +11,120 @@ R = "[$__rate_interval]"
 
 
 def quantiles(metric: str, extra: str = "") -> list[tuple[str, str]]:
-    return [(f"histogram_quantile({q}, sum by (le, k) (rate({metric}_bucket{M}{R})))", f"p{int(q * 100)} k={{{{k}}}}") for q in (0.5, 0.95, 0.99)]
+    return [
+        (f"histogram_quantile({q}, sum by (le, k) (rate({metric}_bucket{M}{R})))", f"p{int(q * 100)} k={{{{k}}}}")
+        for q in (0.5, 0.95, 0.99)
+    ]
 
 
 PANELS = [
-    ("Requests per second by endpoint and status", "timeseries", "reqps",
-     [(f"sum by (endpoint, status) (rate(moe_serve_requests_total{M}{R}))", "{{endpoint}} {{status}}")]),
-    ("Errors per second (4xx/5xx)", "timeseries", "reqps",
-     [(f'sum by (endpoint, status) (rate(moe_serve_requests_total{{model=~"$model", status=~"4..|5.."}}{R}))', "{{endpoint}} {{status}}")]),
+    (
+        "Requests per second by endpoint and status",
+        "timeseries",
+        "reqps",
+        [(f"sum by (endpoint, status) (rate(moe_serve_requests_total{M}{R}))", "{{endpoint}} {{status}}")],
+    ),
+    (
+        "Errors per second (4xx/5xx)",
+        "timeseries",
+        "reqps",
+        [
+            (
+                f'sum by (endpoint, status) (rate(moe_serve_requests_total{{model=~"$model", status=~"4..|5.."}}{R}))',
+                "{{endpoint}} {{status}}",
+            )
+        ],
+    ),
     ("End-to-end latency by k", "timeseries", "s", quantiles("moe_serve_e2e_request_latency_seconds")),
     ("Time to first token by k", "timeseries", "s", quantiles("moe_serve_time_to_first_token_seconds")),
     ("Inter-token latency by k", "timeseries", "s", quantiles("moe_serve_inter_token_latency_seconds")),
-    ("Queue time by k (p95)", "timeseries", "s",
-     [(f"histogram_quantile(0.95, sum by (le, k) (rate(moe_serve_request_queue_time_seconds_bucket{M}{R})))", "k={{k}}")]),
-    ("Tokens per second", "timeseries", "none",
-     [(f"sum by (k) (rate(moe_serve_generation_tokens_total{M}{R}))", "generated k={{k}}"),
-      (f"sum by (k) (rate(moe_serve_prompt_tokens_total{M}{R}))", "prompt k={{k}}")]),
-    ("Running and waiting", "timeseries", "none",
-     [(f"sum by (model) (moe_serve_num_requests_running{M})", "running {{model}}"),
-      (f"sum by (model) (moe_serve_num_requests_waiting{M})", "waiting {{model}}")]),
+    (
+        "Queue time by k (p95)",
+        "timeseries",
+        "s",
+        [
+            (
+                f"histogram_quantile(0.95, sum by (le, k) (rate(moe_serve_request_queue_time_seconds_bucket{M}{R})))",
+                "k={{k}}",
+            )
+        ],
+    ),
+    (
+        "Tokens per second",
+        "timeseries",
+        "none",
+        [
+            (f"sum by (k) (rate(moe_serve_generation_tokens_total{M}{R}))", "generated k={{k}}"),
+            (f"sum by (k) (rate(moe_serve_prompt_tokens_total{M}{R}))", "prompt k={{k}}"),
+        ],
+    ),
+    (
+        "Running and waiting",
+        "timeseries",
+        "none",
+        [
+            (f"sum by (model) (moe_serve_num_requests_running{M})", "running {{model}}"),
+            (f"sum by (model) (moe_serve_num_requests_waiting{M})", "waiting {{model}}"),
+        ],
+    ),
     ("KV cache reserved", "timeseries", "percentunit", [(f"moe_serve_kv_cache_usage_ratio{M}", "{{model}}")]),
-    ("Expert load per layer (tokens/s)", "heatmap", "none",
-     [(f"sum by (layer, expert) (rate(moe_serve_expert_tokens_total{M}{R}))", "layer {{layer}} expert {{expert}}")]),
-    ("Expert load balance per layer (normalised entropy, 1 = uniform)", "timeseries", "none",
-     [(f"moe_serve_expert_load_entropy{M}", "layer {{layer}}"), (f"moe_serve_expert_load_max_share{M}", "max share layer {{layer}}")]),
-    ("Quality against k", "barchart", "none", [(f"max by (k, metric, dataset) (moe_serve_quality{M})", "{{metric}} ({{dataset}}) k={{k}}")]),
-    ("Median latency against k (the other side of the trade-off)", "barchart", "s",
-     [(f"histogram_quantile(0.5, sum by (le, k) (rate(moe_serve_e2e_request_latency_seconds_bucket{M}[5m])))", "k={{k}}")]),
+    (
+        "Expert load per layer (tokens/s)",
+        "heatmap",
+        "none",
+        [(f"sum by (layer, expert) (rate(moe_serve_expert_tokens_total{M}{R}))", "layer {{layer}} expert {{expert}}")],
+    ),
+    (
+        "Expert load balance per layer (normalised entropy, 1 = uniform)",
+        "timeseries",
+        "none",
+        [
+            (f"moe_serve_expert_load_entropy{M}", "layer {{layer}}"),
+            (f"moe_serve_expert_load_max_share{M}", "max share layer {{layer}}"),
+        ],
+    ),
+    (
+        "Quality against k",
+        "barchart",
+        "none",
+        [(f"max by (k, metric, dataset) (moe_serve_quality{M})", "{{metric}} ({{dataset}}) k={{k}}")],
+    ),
+    (
+        "Median latency against k (the other side of the trade-off)",
+        "barchart",
+        "s",
+        [
+            (
+                f"histogram_quantile(0.5, sum by (le, k) (rate(moe_serve_e2e_request_latency_seconds_bucket{M}[5m])))",
+                "k={{k}}",
+            )
+        ],
+    ),
 ]
 
 
 def build() -> dict:
     panels = []
     for index, (title, kind, unit, targets) in enumerate(PANELS):
-        panels.append({
-            "id": index + 1,
-            "title": title,
-            "type": kind,
-            "datasource": {"type": "prometheus", "uid": "prometheus"},
-            "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "targets": [
-                {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "datasource": {"type": "prometheus", "uid": "prometheus"}}
-                for i, (expr, legend) in enumerate(targets)
-            ],
-        })
+        panels.append(
+            {
+                "id": index + 1,
+                "title": title,
+                "type": kind,
+                "datasource": {"type": "prometheus", "uid": "prometheus"},
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [
+                    {
+                        "refId": chr(ord("A") + i),
+                        "expr": expr,
+                        "legendFormat": legend,
+                        "datasource": {"type": "prometheus", "uid": "prometheus"},
+                    }
+                    for i, (expr, legend) in enumerate(targets)
+                ],
+            }
+        )
     return {
         "uid": "moe-serve",
         "title": "moe-serve: latency and quality against k",
@@ -63,12 +132,23 @@ def build() -> dict:
         "version": 1,
         "refresh": "10s",
         "time": {"from": "now-30m", "to": "now"},
-        "templating": {"list": [{
-            "name": "model", "type": "query", "label": "model", "includeAll": True, "multi": True, "current": {"text": "All", "value": "$__all"},
-            "datasource": {"type": "prometheus", "uid": "prometheus"},
-            "query": {"query": "label_values(moe_serve_num_requests_running, model)", "refId": "model"},
-            "definition": "label_values(moe_serve_num_requests_running, model)", "allValue": ".*", "refresh": 2,
-        }]},
+        "templating": {
+            "list": [
+                {
+                    "name": "model",
+                    "type": "query",
+                    "label": "model",
+                    "includeAll": True,
+                    "multi": True,
+                    "current": {"text": "All", "value": "$__all"},
+                    "datasource": {"type": "prometheus", "uid": "prometheus"},
+                    "query": {"query": "label_values(moe_serve_num_requests_running, model)", "refId": "model"},
+                    "definition": "label_values(moe_serve_num_requests_running, model)",
+                    "allValue": ".*",
+                    "refresh": 2,
+                }
+            ]
+        },
         "panels": panels,
     }
 

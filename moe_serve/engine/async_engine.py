@@ -13,29 +13,29 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from moe_serve.artifact import Artifact, load_artifact
+from moe_serve.config import EngineConfig
+from moe_serve.engine import pooling
+from moe_serve.engine.expert_load import ExpertLoad
+from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
-from moe_serve.engine.pooling import class_probabilities, token_logprobs
 from moe_serve.engine.sequence import Sequence
-from moe_serve.errors import MoEServeError
-from moe_serve.sampling_params import SamplingParams
+from moe_serve.errors import EngineOverloadedError, EngineStoppedError
+from moe_serve.outputs import (
+    ClassificationOutput,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoreOutput,
+    SequenceTiming,
+)
+from moe_serve.registry import resolve_model
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloadedError(MoEServeError):
-    """Too many requests are waiting; retry after `retry_after` seconds (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineStoppedError(MoEServeError):
-    """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ class RequestUpdate:
     request_id: str
     updates: list[SequenceUpdate]
     finished: bool
-    sequences: list[Sequence] = field(default_factory=list)  # for usage and timing once finished
+    metrics: RequestMetrics | None = None  # timings, once finished
 
 
 @dataclass(slots=True)
@@ -73,17 +73,21 @@ class _PoolingJob:
     kind: str  # classify | score
     token_ids: list[list[int]]
     ks: list[int]
+    keep_token_logprobs: bool
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, on_step: Callable[[AsyncEngine], None] | None = None) -> None:
+    """What a server needs from one model: validated inputs (`inputs`), streaming generation,
+    classification and scoring, queue and cache figures, expert load, drain and shutdown."""
+
+    def __init__(self, engine: LLMEngine, *, track_expert_load: bool = False) -> None:
         self.engine = engine
-        self.max_waiting = max_waiting
-        self.on_step = on_step  # metrics hook, called on the engine thread after every step
+        self.max_waiting = engine.config.max_waiting
+        self.expert_load = ExpertLoad(engine.artifact.model) if track_expert_load and engine.model_config.moe else None
         self._lock = threading.Condition()
-        self._inbox: list[tuple[str, list[int], SamplingParams, _Stream]] = []
+        self._inbox: list[tuple[str, GenerationRequest, _Stream]] = []
         self._aborts: list[str] = []
         self._jobs: list[_PoolingJob] = []
         self._streams: dict[str, _Stream] = {}
@@ -93,7 +97,29 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.artifact.name}", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def load(cls, model: str, config: EngineConfig, *, track_expert_load: bool = False) -> AsyncEngine:
+        """Load an artifact (a directory or a bundled name) and start its engine thread."""
+        device = config.torch_device()
+        artifact = load_artifact(
+            resolve_model(model), device=device, dtype=config.torch_dtype(), verify_checksums=config.verify_checksums
+        )
+        return cls(LLMEngine(artifact, config, device), track_expert_load=track_expert_load)
+
+    @property
+    def artifact(self) -> Artifact:
+        return self.engine.artifact
+
     # ---- state seen by the server ---------------------------------------------------------------
+
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.engine.inputs
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """KV-cache tokens reserved by running sequences, as a share of the budget."""
+        return self.engine.num_reserved_tokens / self.engine.kv_cache_tokens
 
     @property
     def num_running(self) -> int:
@@ -113,14 +139,14 @@ class AsyncEngine:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestUpdate]:
+    async def generate(self, request: GenerationRequest, request_id: str | None = None) -> AsyncIterator[RequestUpdate]:
         """Stream a request's updates; leaving the iteration early (client gone) aborts it at once."""
-        self.engine.check_request(prompt_token_ids, params)  # validation errors surface before streaming
         request_id = request_id or self.new_request_id()
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), [], [0] * params.n, [0] * params.n, [False] * params.n)
+        n = request.params.n
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), [], [0] * n, [0] * n, [False] * n)
         with self._lock:
             self._admit_check()
-            self._inbox.append((request_id, prompt_token_ids, params, stream))
+            self._inbox.append((request_id, request, stream))
             self._streams[request_id] = stream
             self._lock.notify()
         finished = False
@@ -137,6 +163,24 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def generate_final(self, request: GenerationRequest, request_id: str | None = None) -> RequestOutput:
+        """Run a request to completion and return all its completions at once."""
+        n = request.params.n
+        outputs = [CompletionOutput(i, "", [], None, [], []) for i in range(n)]
+        metrics = None
+        async for update in self.generate(request, request_id):
+            for u in update.updates:
+                out = outputs[u.index]
+                out.text += u.text_delta
+                out.token_ids += u.token_ids
+                out.logprobs += u.logprobs  # type: ignore[operator]  # lists, set above
+                out.top_logprobs += u.top_logprobs  # type: ignore[operator]
+                out.finish_reason = u.finish_reason or out.finish_reason
+            if update.finished:
+                metrics = update.metrics
+        reported_k = self.engine.model_config.reported_k(request.k)
+        return RequestOutput(request_id or "", None, request.prompt_token_ids, outputs, reported_k, metrics)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
@@ -144,15 +188,17 @@ class AsyncEngine:
 
     # ---- classification and scoring -------------------------------------------------------------
 
-    async def classify(self, token_ids: list[list[int]], ks: list[int]) -> list[list[float]]:
-        return await self._pool("classify", token_ids, ks)
+    async def classify(self, token_ids: list[list[int]], ks: list[int]) -> list[ClassificationOutput]:
+        return await self._pool("classify", token_ids, ks, False)
 
-    async def score(self, token_ids: list[list[int]], ks: list[int]) -> list[list[float]]:
-        return await self._pool("score", token_ids, ks)
+    async def score(
+        self, token_ids: list[list[int]], ks: list[int], keep_token_logprobs: bool = False
+    ) -> list[ScoreOutput]:
+        return await self._pool("score", token_ids, ks, keep_token_logprobs)
 
-    async def _pool(self, kind: str, token_ids: list[list[int]], ks: list[int]) -> Any:
+    async def _pool(self, kind: str, token_ids: list[list[int]], ks: list[int], keep: bool) -> Any:
         loop = asyncio.get_running_loop()
-        job = _PoolingJob(kind, token_ids, ks, loop.create_future(), loop)
+        job = _PoolingJob(kind, token_ids, ks, keep, loop.create_future(), loop)
         with self._lock:
             self._admit_check()
             self._jobs.append(job)
@@ -165,7 +211,9 @@ class AsyncEngine:
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
         if self.num_waiting + len(self._jobs) >= self.max_waiting:
-            raise EngineOverloadedError(f"{self.num_waiting + len(self._jobs)} requests are waiting (limit {self.max_waiting})")
+            raise EngineOverloadedError(
+                f"{self.num_waiting + len(self._jobs)} requests are waiting (limit {self.max_waiting})"
+            )
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Refuse new requests and wait until those in flight are done."""
@@ -197,9 +245,9 @@ class AsyncEngine:
             for request_id in aborts:
                 self.engine.abort(request_id)
                 self._streams.pop(request_id, None)
-            for request_id, prompt, params, stream in inbox:
+            for request_id, request, stream in inbox:
                 try:
-                    stream.seqs = self.engine.add_request(request_id, prompt, params)
+                    stream.seqs = self.engine.add_request(request_id, request)
                 except Exception as exc:  # validated already; anything else still reaches the caller
                     self._streams.pop(request_id, None)
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
@@ -213,20 +261,24 @@ class AsyncEngine:
                     self._fail_all(exc)
                     continue
                 self._publish(stepped)
-                if self.on_step is not None:
-                    self.on_step(self)
+                if self.expert_load is not None:
+                    self.expert_load.collect()
 
     def _run_pooling(self, jobs: list[_PoolingJob]) -> None:
         """All classify jobs in one batched call, all score jobs in another."""
+        runner, batch_size = self.engine.runner, self.engine.config.max_num_seqs
         for kind in ("classify", "score"):
             batch = [j for j in jobs if j.kind == kind]
             if not batch:
                 continue
             token_ids = [ids for j in batch for ids in j.token_ids]
             ks = [k for j in batch for k in j.ks]
-            fn = class_probabilities if kind == "classify" else token_logprobs
             try:
-                results = fn(self.engine.runner, token_ids, ks, self.engine.config.max_num_seqs)
+                if kind == "classify":
+                    results: list[Any] = pooling.classify(runner, token_ids, ks, batch_size)
+                else:
+                    keep = any(j.keep_token_logprobs for j in batch)
+                    results = pooling.score(runner, self.engine.tokenizer, token_ids, ks, batch_size, keep)
             except Exception as exc:
                 logger.exception("%s batch failed", kind)
                 for j in batch:
@@ -236,9 +288,12 @@ class AsyncEngine:
             for j in batch:
                 part = results[start : start + len(j.token_ids)]
                 start += len(j.token_ids)
+                if kind == "score" and not j.keep_token_logprobs:
+                    for out in part:
+                        out.token_logprobs = None
                 j.loop.call_soon_threadsafe(_set_result, j.future, part)
-        if self.on_step is not None:
-            self.on_step(self)
+        if self.expert_load is not None:
+            self.expert_load.collect()
 
     def _publish(self, stepped: list[Sequence]) -> None:
         touched = {s.request_id for s in stepped}
@@ -255,7 +310,8 @@ class AsyncEngine:
             if finished:
                 self._streams.pop(request_id, None)
             if updates or finished:
-                message = RequestUpdate(request_id, updates, finished, stream.seqs if finished else [])
+                metrics = _request_metrics(stream.seqs) if finished else None
+                message = RequestUpdate(request_id, updates, finished, metrics)
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, message)
 
     @staticmethod
@@ -291,6 +347,11 @@ class AsyncEngine:
             self.engine.abort(request_id)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
         self._streams.clear()
+
+
+def _request_metrics(seqs: list[Sequence]) -> RequestMetrics:
+    timings = [SequenceTiming(s.first_scheduled_time, list(s.token_times)) for s in seqs]
+    return RequestMetrics(seqs[0].arrival_time, timings)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -12,7 +12,9 @@ from moe_serve.model_config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         assert config.num_kv_heads is not None and config.head_dim is not None
         self._row_shape = (config.num_kv_heads, config.head_dim)  # [G, Dh]
         self._num_layers = config.num_layers

@@ -13,12 +13,12 @@ import torch
 
 from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.model_runner import ModelRunner
 from moe_serve.engine.sampler import sample
 from moe_serve.engine.sequence import Sequence, SequenceStatus
 from moe_serve.errors import ValidationError
-from moe_serve.sampling_params import SamplingParams, check_experts_per_token
 
 
 class LLMEngine:
@@ -33,76 +33,21 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.kv_cache_tokens = config.kv_cache_tokens or config.max_num_seqs * self.max_model_len
         self.cache = KVCache(self.model_config, config.max_num_seqs, self.max_model_len, device, self.runner_dtype)
+        self.inputs = InputProcessor.for_artifact(artifact, self.max_model_len, self.kv_cache_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def resolve_experts_per_token(self, value: int | None) -> int:
-        """The request's k: validated against the model's range; the default when None."""
-        moe = self.model_config.moe
-        if moe is None:
-            if value is not None:
-                raise ValidationError(
-                    f"experts_per_token was given but model '{self.artifact.name}' has no MoE layers",
-                    parameter="experts_per_token",
-                    value=value,
-                )
-            return 1
-        if value is None:
-            return moe.default_k
-        check_experts_per_token(value, moe.min_k, moe.max_k)
-        return value
-
-    def encode_text(self, text: str, parameter: str) -> list[int]:
-        """Token ids of a text input, starting with BOS for models that want it; checked against the context."""
-        if not isinstance(text, str):
-            raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
-        if self.model_config.add_bos_token:
-            ids = [self.model_config.bos_token_id, *ids]  # type: ignore[list-item]  # checked by ModelConfig
-        if len(ids) > self.max_model_len:
+    def add_request(self, request_id: str, request: GenerationRequest) -> list[Sequence]:
+        """Queue a request validated by `self.inputs.generation_request`; one sequence per completion."""
+        params = request.params
+        # Cheap invariants only: the full validation happened once, on the way in.
+        if not request.prompt_token_ids or len(request.prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValidationError(
-                f"{parameter} has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", parameter=parameter
+                "request does not fit this engine's context; validate it with engine.inputs", parameter="prompt"
             )
-        return ids
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Validate a generation request without changing any state; returns its k. Safe to call from
-        any thread while the engine steps."""
-        params.verify()
-        if not prompt_token_ids:
-            raise ValidationError("prompt must not be empty", parameter="prompt")
-        k = self.resolve_experts_per_token(params.experts_per_token)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValidationError(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "(prompt + max_tokens must fit)",
-                parameter="prompt",
-            )
-        need = len(prompt_token_ids) + params.max_tokens
-        if need > self.max_model_len:
-            raise ValidationError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this model's "
-                f"context of {self.max_model_len} tokens",
-                parameter="max_tokens",
-            )
-        if need * params.n > self.kv_cache_tokens:
-            raise ValidationError(
-                f"this request needs {need * params.n} tokens of KV cache (prompt + max_tokens, times n) but the "
-                f"engine's budget is {self.kv_cache_tokens}; it can never run",
-                parameter="max_tokens",
-            )
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValidationError(f"prompt token ids must be integers in 0..{vocab - 1}", parameter="prompt")
-        return k
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        k = self.check_request(prompt_token_ids, params)
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
@@ -113,7 +58,7 @@ class LLMEngine:
                     generator.seed()
                 else:
                     generator.manual_seed(params.seed + index)
-            seq = Sequence(request_id, list(prompt_token_ids), params, k, generator, arrival_time=now)
+            seq = Sequence(request_id, list(request.prompt_token_ids), params, request.k, generator, arrival_time=now)
             self.waiting.append(seq)
             seqs.append(seq)
         return seqs
@@ -171,7 +116,7 @@ class LLMEngine:
             token_ids, logprobs, top_logprobs = sample(logits, batch)
 
         now = time.monotonic()
-        for seq, tokens, token, logprob, tops in zip(batch, new_tokens, token_ids, logprobs, top_logprobs):
+        for seq, tokens, token, logprob, tops in zip(batch, new_tokens, token_ids, logprobs, top_logprobs, strict=True):
             seq.token_times.append(now)
             seq.num_cached_tokens += len(tokens)
             seq.output_token_ids.append(token)

@@ -48,14 +48,12 @@ class ModelRunner:
                 max_context_len=int(context_lens.max()),
                 first_slot=slots[0] if slots == list(range(slots[0], slots[0] + b)) else None,
             )
-        layout = BatchLayout(positions=positions.to(self.device), token_mask=token_mask.to(self.device), **layout_kwargs)
+        layout = BatchLayout(
+            positions=positions.to(self.device), token_mask=token_mask.to(self.device), **layout_kwargs
+        )
         top_k = torch.tensor(experts_per_token, device=self.device)
         hidden = self.model(
-            ids.to(self.device),
-            layout,
-            top_k,
-            max(experts_per_token),
-            None if cache is None else cache.layers,
+            ids.to(self.device), layout, top_k, max(experts_per_token), None if cache is None else cache.layers
         )
         return hidden, layout.token_mask
 

@@ -113,7 +113,9 @@ class Attention(nn.Module):
             bias = self._relative_bias(q, layout.positions, key_positions)  # [B, H, L, S]
             attn_bias = bias.masked_fill(~allowed, float("-inf"))
             q = q + self.r_w_bias[None, :, None, :].to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
+            )
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, l, self.num_heads * self.head_dim)  # [B, L, H*Dh]
@@ -157,4 +159,3 @@ class Attention(nn.Module):
         index = query_positions[:, :, None] - key_positions[:, None, :] - low  # [B, L, S]
         index = index.clamp(0, len(distances) - 1)[:, None].expand(-1, self.num_heads, -1, -1)
         return torch.gather(scores, -1, index).float() * self.scale  # [B, H, L, S]
-

@@ -11,7 +11,9 @@ import torch
 from moe_serve.model_config import RopeScaling
 
 
-def rotary_inv_freq(dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> tuple[torch.Tensor, float]:
+def rotary_inv_freq(
+    dim: int, theta: float, scaling: RopeScaling | None, device: torch.device
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the cos/sin scale, exactly as Hugging Face computes them."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (theta**exponents)

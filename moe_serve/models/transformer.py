@@ -97,7 +97,9 @@ class MoETransformer(nn.Module):
         """Start counting tokens per expert in every MoE layer (read with `read_expert_load`)."""
         for layer in self.layers:
             if layer.is_moe:
-                layer.moe.expert_load = torch.zeros(layer.moe.config.num_experts, dtype=torch.int64, device=self.embed_tokens.weight.device)
+                layer.moe.expert_load = torch.zeros(
+                    layer.moe.config.num_experts, dtype=torch.int64, device=self.embed_tokens.weight.device
+                )
 
     def read_expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert per MoE layer since the last read; resets the counts."""

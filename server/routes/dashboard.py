@@ -27,10 +27,15 @@ async def dashboard_data(request: Request) -> dict:
         "generated_tokens": _total(metrics.generation_tokens.collect(), "moe_serve_generation_tokens_total"),
         "running": {name: m.engine.num_running for name, m in ctx.models.items()},
         "waiting": {name: m.engine.num_waiting for name, m in ctx.models.items()},
-        "expert_load": _expert_load(metrics.expert_tokens.collect()),
+        "expert_load": {
+            name: {str(layer): counts for layer, counts in m.engine.expert_load.totals().items()}
+            for name, m in ctx.models.items()
+            if m.engine.expert_load is not None
+        },
         "quality": [
-            {"model": name, "dataset": row["dataset"], "metric": row["metric"], "k": row["k"], "value": row["value"]}
-            for name, m in ctx.models.items() for row in (m.artifact.quality or {}).get("results", [])
+            {"model": name, "dataset": row.dataset, "metric": row.metric, "k": row.k, "value": row.value}
+            for name, m in ctx.models.items()
+            for row in (m.artifact.quality.rows if m.artifact.quality else ())
         ],
     }
 
@@ -70,17 +75,3 @@ def _quantile(bounds: list[float], cumulative: dict[float, float], rank: float) 
 
 def _total(families, name: str) -> float:
     return sum(s.value for f in families for s in f.samples if s.name == name)
-
-
-def _expert_load(families) -> dict[str, dict[str, list[float]]]:
-    """model -> layer -> tokens per expert."""
-    out: dict[str, dict[str, list[float]]] = {}
-    for family in families:
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            layer = out.setdefault(sample.labels["model"], {}).setdefault(sample.labels["layer"], [])
-            expert = int(sample.labels["expert"])
-            layer.extend([0.0] * (expert + 1 - len(layer)))
-            layer[expert] += sample.value
-    return out

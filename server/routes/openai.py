@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server import protocol as p
-from server import serving
+from moe_serve.api import protocol as p
+from moe_serve.server import serving
 
 router = APIRouter(prefix="/v1")
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}

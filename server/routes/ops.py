@@ -23,8 +23,4 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    ctx = request.app.state.ctx
-    for name, served in ctx.models.items():  # queue gauges read live, not only after engine steps
-        ctx.metrics.running.labels(name).set(served.engine.num_running)
-        ctx.metrics.waiting.labels(name).set(served.engine.num_waiting)
-    return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(request.app.state.ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server import protocol as p
-from server import serving
-from server.routes.openai import ERRORS
+from moe_serve.api import protocol as p
+from moe_serve.server import serving
+from moe_serve.server.routes.openai import ERRORS
 
 router = APIRouter(prefix="/v1")
 

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_serve.batch.quality import quality_rows
+from moe_serve.batch.runner import run_batch
 from moe_serve.config import EngineConfig
-from server.batch import quality_rows, run_batch
 from tests.conftest import classifier_config, lm_config
-
-pytestmark = pytest.mark.slow
 
 
 def line(custom_id: str, url: str, body: dict, **extra) -> str:
@@ -30,29 +29,41 @@ def models(tmp_path_factory) -> dict[str, Path]:
     from moe_serve.testing import create_random_artifact
 
     root = tmp_path_factory.mktemp("batch-models")
-    return {"lm": create_random_artifact(root / "lm", lm_config(), seed=3), "clf": create_random_artifact(root / "clf", classifier_config(), seed=4)}
+    return {
+        "lm": create_random_artifact(root / "lm", lm_config(), seed=3),
+        "clf": create_random_artifact(root / "clf", classifier_config(), seed=4),
+    }
 
 
 def test_every_endpoint_bad_lines_and_duplicates(tmp_path: Path, models) -> None:
     lm, clf = str(models["lm"]), str(models["clf"])
     inputs = tmp_path / "in.jsonl"
-    inputs.write_text("\n".join([
-        line("gen", "/v1/completions", {"prompt": ["ROMEO.", "JULIET."], "max_tokens": 4, "temperature": 0}),
-        line("score", "/v1/score", {"input": "To be, or not to be"}),
-        line("clf", "/v1/classify", {"model": clf, "input": ["Out, damned spot!"]}),
-        "{broken json",
-        line("emb", "/v1/embeddings", {"input": "x"}),
-        line("gen", "/v1/completions", {"prompt": "again"}),
-        line("badk", "/v1/completions", {"prompt": "x", "experts_per_token": 9}),
-        line("badtype", "/v1/score", {"input": 5}),
-    ]) + "\n")
+    inputs.write_text(
+        "\n".join(
+            [
+                line("gen", "/v1/completions", {"prompt": ["ROMEO.", "JULIET."], "max_tokens": 4, "temperature": 0}),
+                line("score", "/v1/score", {"input": "To be, or not to be"}),
+                line("clf", "/v1/classify", {"model": clf, "input": ["Out, damned spot!"]}),
+                "{broken json",
+                line("emb", "/v1/embeddings", {"input": "x"}),
+                line("gen", "/v1/completions", {"prompt": "again"}),
+                line("badk", "/v1/completions", {"prompt": "x", "experts_per_token": 9}),
+                line("badtype", "/v1/score", {"input": 5}),
+            ]
+        )
+        + "\n"
+    )
     output = tmp_path / "out.jsonl"
     summary, written = run_batch(inputs, output, default_model=lm, ks=[1, 4], progress=False)
     lines = [json.loads(raw) for raw in output.read_text().splitlines()]
     assert len(lines) == len(written) == 3 + 5 * 2  # three error lines, five runnable lines at two k
     by_key = {(x["custom_id"], x["experts_per_token_sweep"]): x for x in lines if x["error"] is None}
     gen = by_key[("gen", 4)]["response"]
-    assert gen["status_code"] == 200 and len(gen["body"]["choices"]) == 2 and gen["body"]["usage"]["experts_per_token"] == 4
+    assert (
+        gen["status_code"] == 200
+        and len(gen["body"]["choices"]) == 2
+        and gen["body"]["usage"]["experts_per_token"] == 4
+    )
     assert by_key[("score", 1)]["response"]["body"]["data"][0]["num_bytes"] == 19
     assert by_key[("clf", 4)]["response"]["body"]["model"] == clf  # the body's model wins over --model
     bad_k = by_key[("badk", 1)]["response"]
@@ -73,18 +84,45 @@ def test_k_out_of_range_without_sweep_is_a_400_naming_the_parameter(tmp_path: Pa
     inputs.write_text(line("badk", "/v1/completions", {"prompt": "x", "experts_per_token": 9}) + "\n")
     _, written = run_batch(inputs, tmp_path / "out.jsonl", default_model=str(models["lm"]), progress=False)
     error = written[0]["response"]["body"]["error"]
-    assert written[0]["response"]["status_code"] == 400 and error["param"] == "experts_per_token" and "between 1 and 4" in error["message"]
+    assert (
+        written[0]["response"]["status_code"] == 400
+        and error["param"] == "experts_per_token"
+        and "between 1 and 4" in error["message"]
+    )
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path: Path, models) -> None:
     inputs = tmp_path / "in.jsonl"
-    inputs.write_text("\n".join(
-        line(f"req-{i}", "/v1/completions", {"prompt": f"Line {i}: " + "and " * (i % 7), "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-        for i in range(120)
-    ) + "\n")
+    inputs.write_text(
+        "\n".join(
+            line(
+                f"req-{i}",
+                "/v1/completions",
+                {"prompt": f"Line {i}: " + "and " * (i % 7), "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            )
+            for i in range(120)
+        )
+        + "\n"
+    )
     output = tmp_path / "out.jsonl"
-    command = [sys.executable, "-m", "server.cli", "batch", "-i", str(inputs), "-o", str(output), "--model", str(models["lm"]),
-               "--k", "1,3", "--chunk-size", "8", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "moe_serve",
+        "batch",
+        "-i",
+        str(inputs),
+        "-o",
+        str(output),
+        "--model",
+        str(models["lm"]),
+        "--k",
+        "1,3",
+        "--chunk-size",
+        "8",
+        "--json",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and (not output.exists() or output.read_text().count("\n") < 40):
@@ -104,41 +142,73 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path: Path, models
     # Same answers as an uninterrupted run.
     fresh = tmp_path / "fresh.jsonl"
     run_batch(inputs, fresh, default_model=str(models["lm"]), ks=[1, 3], engine_config=EngineConfig(), progress=False)
-    texts = lambda path: {(x["custom_id"], x["experts_per_token_sweep"]): x["response"]["body"]["choices"][0]["text"] for x in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    texts = lambda path: {
+        (x["custom_id"], x["experts_per_token_sweep"]): x["response"]["body"]["choices"][0]["text"]
+        for x in map(json.loads, path.read_text().splitlines())
+    }  # noqa: E731
     assert texts(output) == texts(fresh)
 
 
 def test_quality_rows_from_a_labelled_sweep(tmp_path: Path, models) -> None:
     clf = str(models["clf"])
     inputs = tmp_path / "labelled.jsonl"
-    inputs.write_text("\n".join([
-        line("x1", "/v1/classify", {"input": "My kingdom for a horse!"}, label="history"),
-        line("x2", "/v1/classify", {"input": "If music be the food of love"}, label="comedy"),
-        line("s1", "/v1/score", {"model": str(models["lm"]), "input": "To be, or not to be"}),
-    ]) + "\n")
+    inputs.write_text(
+        "\n".join(
+            [
+                line("x1", "/v1/classify", {"input": "My kingdom for a horse!"}, label="history"),
+                line("x2", "/v1/classify", {"input": "If music be the food of love"}, label="comedy"),
+                line("s1", "/v1/score", {"model": str(models["lm"]), "input": "To be, or not to be"}),
+            ]
+        )
+        + "\n"
+    )
     output = tmp_path / "out.jsonl"
     run_batch(inputs, output, default_model=clf, ks=[1, 4], progress=False)
     rows = quality_rows(output, "labelled")
-    metrics = {(r["model"], r["metric"], r["k"]) for r in rows}
-    assert metrics == {(clf, "accuracy", 1), (clf, "accuracy", 4), (str(models["lm"]), "bits_per_byte", 1), (str(models["lm"]), "bits_per_byte", 4)}
-    assert all(0 <= r["value"] <= 1 for r in rows if r["metric"] == "accuracy")
+    metrics = {(r.model, r.metric, r.k) for r in rows}
+    assert metrics == {
+        (clf, "accuracy", 1),
+        (clf, "accuracy", 4),
+        (clf, "macro_f1", 1),
+        (clf, "macro_f1", 4),
+        (str(models["lm"]), "bits_per_byte", 1),
+        (str(models["lm"]), "bits_per_byte", 4),
+    }
+    assert all(0 <= r.value <= 1 for r in rows if r.metric in ("accuracy", "macro_f1"))
 
 
+@pytest.mark.slow
 def test_ray_run_equals_local_run(tmp_path: Path, models) -> None:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'moe-serve[ray]'); CI installs it")
-    from server.batch_ray import ray_chunk_runner
+    from moe_serve.batch.ray import ray_chunk_runner
 
     inputs = tmp_path / "in.jsonl"
-    inputs.write_text("\n".join(
-        [line(f"g{i}", "/v1/completions", {"prompt": f"Act {i}.", "max_tokens": 6, "temperature": 0}) for i in range(10)]
-        + [line(f"s{i}", "/v1/score", {"input": f"Scene {i} of the play"}) for i in range(6)]
-        + ["not json"]
-    ) + "\n")
+    inputs.write_text(
+        "\n".join(
+            [
+                line(f"g{i}", "/v1/completions", {"prompt": f"Act {i}.", "max_tokens": 6, "temperature": 0})
+                for i in range(10)
+            ]
+            + [line(f"s{i}", "/v1/score", {"input": f"Scene {i} of the play"}) for i in range(6)]
+            + ["not json"]
+        )
+        + "\n"
+    )
     local, distributed = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     config = EngineConfig()
-    run_batch(inputs, local, default_model=str(models["lm"]), ks=[1, 2], engine_config=config, chunk_size=4, progress=False)
+    run_batch(
+        inputs, local, default_model=str(models["lm"]), ks=[1, 2], engine_config=config, chunk_size=4, progress=False
+    )
     runner = ray_chunk_runner(None, 2, config)
-    run_batch(inputs, distributed, default_model=str(models["lm"]), ks=[1, 2], chunk_size=4, progress=False, chunk_runner=runner)
+    run_batch(
+        inputs,
+        distributed,
+        default_model=str(models["lm"]),
+        ks=[1, 2],
+        chunk_size=4,
+        progress=False,
+        chunk_runner=runner,
+    )
     assert not ray.is_initialized()
 
     def normalized(path: Path) -> dict:
@@ -154,7 +224,7 @@ def test_ray_run_equals_local_run(tmp_path: Path, models) -> None:
     for key in local_lines:
         a, b = local_lines[key], ray_lines[key]
         if a["response"] and "data" in a["response"]["body"]:  # scores: float sums may differ in the last bits
-            for x, y in zip(a["response"]["body"]["data"], b["response"]["body"]["data"]):
+            for x, y in zip(a["response"]["body"]["data"], b["response"]["body"]["data"], strict=True):
                 assert x["total_logprob"] == pytest.approx(y["total_logprob"], abs=1e-4)
         else:
             assert a == b, key

@@ -17,7 +17,9 @@ def require_binary(name: str, package: str) -> str:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         try:
             subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
-            subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True, timeout=900)
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True, timeout=900
+            )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             pytest.skip(f"{name} is not installed and apt-get failed to install {package}: {exc}")
         path = shutil.which(name)

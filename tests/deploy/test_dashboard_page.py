@@ -9,21 +9,32 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_serve.evaluation import write_quality
-from server.settings import ServerSettings
+from moe_serve.quality import QualityRow, QualityTable
+from moe_serve.server.settings import ServerSettings
 from tests.deploy.system import require_binary
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
-SCREENSHOT_DIR = Path(os.environ.get("MOE_SERVE_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+SCREENSHOT_DIR = Path(
+    os.environ.get("MOE_SERVE_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts")
+)
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def test_dashboard_renders_charts_with_data(artifacts) -> None:
     chromium = require_binary("chromium", "chromium")
     playwright = pytest.importorskip("playwright.sync_api")
-    write_quality(artifacts["lm"] / "quality.json", [{"dataset": "shakespeare", "k": k, "metric": "bits_per_byte", "value": 3.0 - 0.1 * k} for k in (1, 2, 4)])
+    QualityTable(tuple(QualityRow("shakespeare", k, "bits_per_byte", 3.0 - 0.1 * k) for k in (1, 2, 4))).merge_into(
+        artifacts["lm"] / "quality.json"
+    )
     server = start_server(ServerSettings(models=(str(artifacts["lm"]),)))
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
@@ -31,12 +42,20 @@ def test_dashboard_renders_charts_with_data(artifacts) -> None:
             assert "<script src" not in page_html and "http://" not in page_html and "https://" not in page_html
             for k in (1, 2, 4):
                 for _ in range(3):
-                    assert http.post("/v1/completions", json={"prompt": "Enter GHOST.", "max_tokens": 8, "experts_per_token": k}).status_code == 200
+                    assert (
+                        http.post(
+                            "/v1/completions", json={"prompt": "Enter GHOST.", "max_tokens": 8, "experts_per_token": k}
+                        ).status_code
+                        == 200
+                    )
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1280, "height": 720})
             external = []
-            page.on("request", lambda request: external.append(request.url) if not request.url.startswith(server.url) else None)
+            page.on(
+                "request",
+                lambda request: external.append(request.url) if not request.url.startswith(server.url) else None,
+            )
             page.goto(server.url + "/dashboard")
             # Throughput needs two polls that see tokens: keep generating while the page polls.
             with httpx.Client(base_url=server.url, timeout=60) as http:

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_serve.evaluation import write_quality
-from server.settings import ServerSettings
+from moe_serve.quality import QualityRow, QualityTable
+from moe_serve.server.settings import ServerSettings
 from tests.deploy.system import require_binary
 from tests.server.conftest import free_port, start_server
 
@@ -37,30 +37,48 @@ def test_dashboard_json_is_what_the_builder_writes() -> None:
 
 def test_promtool_accepts_the_scrape_config() -> None:
     promtool = require_binary("promtool", "prometheus")
-    result = subprocess.run([promtool, "check", "config", str(ROOT / "deploy" / "prometheus.yml")], capture_output=True, text=True)
+    result = subprocess.run(
+        [promtool, "check", "config", str(ROOT / "deploy" / "prometheus.yml")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Path, artifacts) -> None:
     prometheus = require_binary("prometheus", "prometheus")
-    write_quality(artifacts["lm"] / "quality.json", [
-        {"dataset": "shakespeare", "k": k, "metric": "bits_per_byte", "value": 3.0 - 0.1 * k} for k in (1, 2, 4)
-    ])
+    QualityTable(tuple(QualityRow("shakespeare", k, "bits_per_byte", 3.0 - 0.1 * k) for k in (1, 2, 4))).merge_into(
+        artifacts["lm"] / "quality.json"
+    )
     server = start_server(ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"]))))
     config = (ROOT / "deploy" / "prometheus.yml").read_text()
-    config = config.replace('["moe-serve:8000"]', f'["{server.url.removeprefix("http://")}"]').replace("scrape_interval: 5s", "scrape_interval: 1s")
+    config = config.replace('["moe-serve:8000"]', f'["{server.url.removeprefix("http://")}"]').replace(
+        "scrape_interval: 5s", "scrape_interval: 1s"
+    )
     (tmp_path / "prometheus.yml").write_text(config)
     port = free_port()
-    process = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                                f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     api = f"http://127.0.0.1:{port}/api/v1/query"
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             deadline = time.time() + 12
             while time.time() < deadline:  # traffic at two k (and some errors) while Prometheus scrapes every second
                 for k in (1, 4):
-                    http.post("/v1/completions", json={"model": "tiny-lm", "prompt": "Act I.", "max_tokens": 8, "experts_per_token": k})
-                    http.post("/v1/classify", json={"model": "tiny-clf", "input": "Exit, pursued by a bear.", "experts_per_token": k})
+                    http.post(
+                        "/v1/completions",
+                        json={"model": "tiny-lm", "prompt": "Act I.", "max_tokens": 8, "experts_per_token": k},
+                    )
+                    http.post(
+                        "/v1/classify",
+                        json={"model": "tiny-clf", "input": "Exit, pursued by a bear.", "experts_per_token": k},
+                    )
                 http.post("/v1/completions", json={"model": "tiny-lm", "prompt": "x", "experts_per_token": 99})
                 time.sleep(0.2)
         time.sleep(3)  # a few more scrapes
@@ -72,7 +90,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
             if not body["data"]["result"]:
                 missing.append(expr)
         assert not missing, f"queries without data: {missing}"
-        by_k = httpx.get(api, params={"query": 'count by (k) (moe_serve_time_to_first_token_seconds_bucket{model="tiny-lm"})'}).json()
+        by_k = httpx.get(
+            api, params={"query": 'count by (k) (moe_serve_time_to_first_token_seconds_bucket{model="tiny-lm"})'}
+        ).json()
         assert {r["metric"]["k"] for r in by_k["data"]["result"]} >= {"1", "4"}
         assert re.search(r"\$model", DASHBOARD.read_text())  # the template variable is used
     finally:

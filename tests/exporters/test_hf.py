@@ -4,19 +4,18 @@ mixed-k batches, and clear errors for what cannot be exported."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from exporters.base import ExportError
-from exporters.hf import export_hf
 from moe_serve import LLM, SamplingParams
+from moe_serve.exporters.base import ExportError, ExportOptions
+from moe_serve.exporters.hf import export_hf
 from tests.exporters.hf_models import MODELS, NUM_EXPERTS, build_hf_model, save_hf_model
 
-pytestmark = pytest.mark.slow
+NO_PROGRESS = ExportOptions(progress=False)
+
 ARCHS = list(MODELS)
 
 
@@ -27,7 +26,7 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = {}
     for name in ARCHS:
         src = save_hf_model(name, root / f"{name}-hf", seed=len(name))
-        out[name] = (src, export_hf(src, root / f"{name}-artifact", progress=False))
+        out[name] = (src, export_hf(src, root / f"{name}-artifact", NO_PROGRESS))
     return out
 
 
@@ -52,7 +51,9 @@ def test_logits_match_transformers_at_trained_and_other_k(exported, name: str) -
     assert llm.config.moe.default_k == trained_k
     input_ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     for k in sorted({trained_k, 1, 2, NUM_EXPERTS}):
-        torch.testing.assert_close(our_logits(llm, input_ids, k), hf_logits(src, name, k, input_ids), atol=1e-4, rtol=1e-4, msg=f"k={k}")
+        torch.testing.assert_close(
+            our_logits(llm, input_ids, k), hf_logits(src, name, k, input_ids), atol=1e-4, rtol=1e-4, msg=f"k={k}"
+        )
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -63,7 +64,9 @@ def test_greedy_generation_matches_transformers_generate(exported, name: str) ->
     model_class, _ = MODELS[name]
     hf = model_class.from_pretrained(src).eval()
     with torch.no_grad():
-        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32)
+        expected = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32
+        )
     ours = llm.generate([prompt[0].tolist()], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert ours.outputs[0].token_ids == expected[0, 12:].tolist()
 
@@ -77,7 +80,7 @@ def test_mixed_k_batch_equals_each_request_alone(exported, name: str) -> None:
     ks = [1, 2, NUM_EXPERTS, 3]
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, experts_per_token=k) for k in ks]
     together = llm.generate(prompts, params)
-    for prompt, p, out in zip(prompts, params, together):
+    for prompt, p, out in zip(prompts, params, together, strict=True):
         alone = llm.generate([prompt], p)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         assert out.experts_per_token == p.experts_per_token
@@ -98,7 +101,7 @@ def test_qwen2_moe_layout_and_conventions(exported) -> None:
 def test_sharded_checkpoint_with_index_and_bf16_storage(tmp_path: Path) -> None:
     src = save_hf_model("mixtral", tmp_path / "hf", max_shard_size="100KB")
     assert (src / "model.safetensors.index.json").is_file()
-    artifact = export_hf(src, tmp_path / "out", dtype=torch.bfloat16, progress=False)
+    artifact = export_hf(src, tmp_path / "out", ExportOptions(dtype=torch.bfloat16, progress=False))
     llm = LLM(artifact)
     input_ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(4))
     model = build_hf_model("mixtral", seed=0)
@@ -120,14 +123,22 @@ def test_unsupported_and_broken_sources_fail_before_writing(tmp_path: Path) -> N
     dst = tmp_path / "dst"
 
     _edit_config(src, architectures=["LlamaForCausalLM"])
-    with pytest.raises(ExportError, match="unsupported architecture LlamaForCausalLM; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM"):
-        export_hf(src, dst, progress=False)
+    with pytest.raises(
+        ExportError,
+        match="unsupported architecture LlamaForCausalLM; supported: MixtralForCausalLM, "
+        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM",
+    ):
+        export_hf(src, dst, NO_PROGRESS)
     _edit_config(src, architectures=["OlmoeForCausalLM"], moe_intermediate_size=1, intermediate_size=50)
-    with pytest.raises(ExportError, match=r"checkpoint tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[48, 64\], expected \[50, 64\]"):
-        export_hf(src, dst, progress=False)
+    with pytest.raises(
+        ExportError,
+        match=r"checkpoint tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[48, 64\], "
+        r"expected \[50, 64\]",
+    ):
+        export_hf(src, dst, NO_PROGRESS)
     _edit_config(src, intermediate_size=48, num_hidden_layers=3)
     with pytest.raises(ExportError, match="checkpoint tensor 'model.layers.2.input_layernorm.weight' is missing"):
-        export_hf(src, dst, progress=False)
+        export_hf(src, dst, NO_PROGRESS)
     assert not dst.exists() and [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
@@ -136,21 +147,24 @@ def test_missing_shard_and_pickle_only_checkpoints(tmp_path: Path) -> None:
     shard = sorted(src.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(ExportError, match=f"missing shard {shard.name} listed in model.safetensors.index.json"):
-        export_hf(src, tmp_path / "dst", progress=False)
+        export_hf(src, tmp_path / "dst", NO_PROGRESS)
     pickled = save_hf_model("mixtral", tmp_path / "pickled")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
-    with pytest.raises(ExportError, match="only a pickle checkpoint \\(pytorch_model.bin\\); only safetensors are read"):
-        export_hf(pickled, tmp_path / "dst", progress=False)
+    with pytest.raises(
+        ExportError, match="only a pickle checkpoint \\(pytorch_model.bin\\); only safetensors are read"
+    ):
+        export_hf(pickled, tmp_path / "dst", NO_PROGRESS)
 
 
-def test_cli_exports_and_inspect_reports(tmp_path: Path) -> None:
+def test_cli_exports_and_inspect_reports(tmp_path: Path, capsys) -> None:
+    from moe_serve.cli import main
+
     src = save_hf_model("qwen2_moe", tmp_path / "hf")
     dst = tmp_path / "artifact"
-    done = subprocess.run([sys.executable, "-m", "exporters", "hf", str(src), str(dst), "--dtype", "bf16", "--quiet"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    again = subprocess.run([sys.executable, "-m", "exporters", "hf", str(src), str(dst)], capture_output=True, text=True)
-    assert again.returncode == 2 and "already exists" in again.stderr
-    summary = json.loads(subprocess.run([sys.executable, "-m", "moe_serve.cli", "inspect", str(dst), "--json"], capture_output=True, text=True).stdout)
+    assert main(["export", "hf", str(src), str(dst), "--dtype", "bf16", "--quiet"]) == 0, capsys.readouterr().err
+    assert main(["export", "hf", str(src), str(dst)]) == 2 and "already exists" in capsys.readouterr().err
+    assert main(["inspect", str(dst), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["moe"]["experts_per_token"] == {"default": 4, "min": 1, "max": NUM_EXPERTS}
     assert summary["provenance"]["source_architecture"] == "Qwen2MoeForCausalLM"
     assert summary["moe"]["shared_expert"] == "glu x80 (sigmoid-gated)"

@@ -10,14 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exporters import genre_encoder, transformer_xl
-from exporters.base import ExportError
 from moe_serve import LLM
+from moe_serve.exporters import genre_encoder, transformer_xl
+from moe_serve.exporters.base import ExportError
 from recipes.encoder import EncoderConfig, GenreClassifier
 from recipes.train import save_checkpoint
 from recipes.transformer_xl import MemTransformerLM, TXLConfig
 
-TXL = dict(d_model=32, n_head=2, d_head=16, n_layer=3, num_experts=4, d_expert=24, d_inner=40, moe_index=(0, 2), hyper_size=48, top_k_min=2, top_k_max=4)
+# fmt: off
+TXL = dict(d_model=32, n_head=2, d_head=16, n_layer=3, num_experts=4, d_expert=24, d_inner=40, moe_index=(0, 2),
+           hyper_size=48, top_k_min=2, top_k_max=4)
+# fmt: on
 ENC = dict(d_model=32, n_head=2, n_layer=2, max_len=64, num_experts=4, d_expert=16, k=2)
 
 
@@ -27,7 +30,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator) * 0.2
-            p.copy_(1.0 + noise if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight") else noise)
+            p.copy_(
+                1.0 + noise
+                if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight")
+                else noise
+            )
 
 
 def make_lm(tmp_path: Path, method: str, seed: int = 0) -> tuple[MemTransformerLM, Path]:
@@ -94,7 +101,9 @@ def test_encoder_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: st
         with torch.no_grad():
             expected = model(tokens, mask)
         with torch.inference_mode():
-            hidden, token_mask = llm.engine.runner.forward([tokens[b, :n].tolist() for b, n in enumerate(lengths)], [k] * 3)
+            hidden, token_mask = llm.engine.runner.forward(
+                [tokens[b, :n].tolist() for b, n in enumerate(lengths)], [k] * 3
+            )
             actual = llm.artifact.model.class_logits(hidden, token_mask)
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
 
@@ -117,7 +126,9 @@ def test_moesart_drops_temperature(tmp_path: Path) -> None:
 def test_wrong_method_missing_key_and_wrong_shape_fail_without_output(tmp_path: Path) -> None:
     _, ckpt = make_lm(tmp_path, "smoe")
     dst = tmp_path / "dst"
-    with pytest.raises(ExportError, match="is a 'smoe' checkpoint \\(training_config.json method\\), not 'hyperrouter'"):
+    with pytest.raises(
+        ExportError, match="is a 'smoe' checkpoint \\(training_config.json method\\), not 'hyperrouter'"
+    ):
         transformer_xl.export("hyperrouter", ckpt, dst)
     record = json.loads((ckpt / "training_config.json").read_text())
     (ckpt / "training_config.json").write_text(json.dumps({**record, "method": "hyperrouter"}))
@@ -127,7 +138,11 @@ def test_wrong_method_missing_key_and_wrong_shape_fail_without_output(tmp_path: 
     tensors = load_file(ckpt / "checkpoint.safetensors")
     tensors["layers.2.pos_ff.experts.h4toh.weight"] = torch.zeros(4, 32, 23)
     save_file(tensors, ckpt / "checkpoint.safetensors")
-    with pytest.raises(ExportError, match=r"checkpoint tensor 'layers.2.pos_ff.experts.h4toh.weight' has shape \[4, 32, 23\], expected \[4, 32, 24\]"):
+    with pytest.raises(
+        ExportError,
+        match=r"checkpoint tensor 'layers.2.pos_ff.experts.h4toh.weight' has shape \[4, 32, 23\], "
+        r"expected \[4, 32, 24\]",
+    ):
         transformer_xl.export("smoe", ckpt, dst)
     del tensors["layers.1.pos_ff.CoreNet.3.bias"]
     save_file(tensors, ckpt / "checkpoint.safetensors")
@@ -140,16 +155,16 @@ def test_wrong_method_missing_key_and_wrong_shape_fail_without_output(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smear-ckpt", "smoe-ckpt"]
 
 
-def test_cli_lists_every_format(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_cli_lists_every_format(tmp_path: Path, capsys) -> None:
+    from moe_serve.cli import main
 
-    result = subprocess.run([sys.executable, "-m", "exporters", "--help"], capture_output=True, text=True)
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    usage = capsys.readouterr().out
     for fmt in ("hf", "hyperrouter", "smoe", "txl-dense", "moesart", "smear", "topk"):
-        assert fmt in result.stdout
+        assert fmt in usage
     _, ckpt = make_classifier(tmp_path, "topk")
-    done = subprocess.run([sys.executable, "-m", "exporters", "topk", str(ckpt), str(tmp_path / "a"), "--dtype", "fp16"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert main(["export", "topk", str(ckpt), str(tmp_path / "a"), "--dtype", "fp16"]) == 0, capsys.readouterr().err
     config = LLM(tmp_path / "a").config
     assert config.moe.router.kind == "topk_softmax" and config.classifier.labels == EncoderConfig(method="topk").labels
 

@@ -13,12 +13,16 @@ import httpx
 import pytest
 import uvicorn
 
+from moe_serve.config import EngineConfig, RequestLimits
+from moe_serve.server.app import create_app
+from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
-from server.app import create_app
-from server.settings import ServerSettings
 from tests.conftest import classifier_config, lm_config
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def free_port() -> int:
@@ -57,14 +61,22 @@ def start_server(settings: ServerSettings) -> RunningServer:
 def artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("served")
     return {
-        "lm": create_random_artifact(root / "tiny-lm", lm_config(chat_template=CHAT_TEMPLATE, max_position_embeddings=128), seed=21),
+        "lm": create_random_artifact(
+            root / "tiny-lm", lm_config(chat_template=CHAT_TEMPLATE, max_position_embeddings=128), seed=21
+        ),
         "clf": create_random_artifact(root / "tiny-clf", classifier_config(), seed=22),
     }
 
 
 @pytest.fixture(scope="session")
 def server(artifacts) -> Iterator[RunningServer]:
-    running = start_server(ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"])), max_tokens_cap=64, max_num_seqs=16))
+    running = start_server(
+        ServerSettings(
+            models=(str(artifacts["lm"]), str(artifacts["clf"])),
+            limits=RequestLimits(max_tokens_cap=64),
+            engine=EngineConfig(max_num_seqs=16),
+        )
+    )
     yield running
     running.stop()
 

@@ -13,10 +13,9 @@ import time
 import httpx
 import pytest
 
-from server.settings import ServerSettings
+from moe_serve.config import EngineConfig
+from moe_serve.server.settings import ServerSettings
 from tests.server.conftest import free_port, start_server
-
-pytestmark = pytest.mark.slow
 
 BAD = {
     "malformed JSON": ('{"prompt": "x", "max_tokens": ', 400, None, "malformed JSON"),
@@ -24,14 +23,39 @@ BAD = {
     "max_tokens wrong type": ({"model": "tiny-lm", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
     "temperature wrong type": ({"model": "tiny-lm", "prompt": "x", "temperature": [1]}, 400, "temperature", "number"),
     "k zero": ({"model": "tiny-lm", "prompt": "x", "experts_per_token": 0}, 400, "experts_per_token", "at least 1"),
-    "k above N": ({"model": "tiny-lm", "prompt": "x", "experts_per_token": 5}, 400, "experts_per_token", "between 1 and 4, got 5"),
-    "k as a word": ({"model": "tiny-lm", "prompt": "x", "experts_per_token": "two"}, 400, "experts_per_token", "integer"),
+    "k above N": (
+        {"model": "tiny-lm", "prompt": "x", "experts_per_token": 5},
+        400,
+        "experts_per_token",
+        "between 1 and 4, got 5",
+    ),
+    "k as a word": (
+        {"model": "tiny-lm", "prompt": "x", "experts_per_token": "two"},
+        400,
+        "experts_per_token",
+        "integer",
+    ),
     "max_tokens above cap": ({"model": "tiny-lm", "prompt": "x", "max_tokens": 65}, 400, "max_tokens", "at most 64"),
-    "prompt longer than context": ({"model": "tiny-lm", "prompt": "x" * 200, "max_tokens": 1}, 400, "prompt", "context is 128 tokens"),
-    "prompt + max_tokens over context": ({"model": "tiny-lm", "prompt": "x" * 100, "max_tokens": 40}, 400, "max_tokens", "exceeds"),
+    "prompt longer than context": (
+        {"model": "tiny-lm", "prompt": "x" * 200, "max_tokens": 1},
+        400,
+        "prompt",
+        "context is 128 tokens",
+    ),
+    "prompt + max_tokens over context": (
+        {"model": "tiny-lm", "prompt": "x" * 100, "max_tokens": 40},
+        400,
+        "max_tokens",
+        "exceeds",
+    ),
     "unknown model": ({"model": "gpt-5", "prompt": "x"}, 404, "model", "model 'gpt-5' does not exist"),
     "model required with two served": ({"prompt": "x"}, 400, "model", "model is required"),
-    "unsupported penalty": ({"model": "tiny-lm", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    "unsupported penalty": (
+        {"model": "tiny-lm", "prompt": "x", "presence_penalty": 0.5},
+        400,
+        "presence_penalty",
+        "not supported",
+    ),
 }
 
 
@@ -61,7 +85,9 @@ def test_unexpected_failure_is_500_without_trace_and_server_keeps_serving(server
         raise RuntimeError("secret internal detail")
 
     monkeypatch.setattr(runner, "forward", broken)
-    response = client.post("/v1/classify", json={"model": "tiny-clf", "input": "boom"}, headers={"x-request-id": "req-42"})
+    response = client.post(
+        "/v1/classify", json={"model": "tiny-clf", "input": "boom"}, headers={"x-request-id": "req-42"}
+    )
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "internal server error (request id req-42)"
     assert "secret" not in response.text and "Traceback" not in response.text
@@ -75,9 +101,13 @@ def test_api_key(artifacts) -> None:
         with httpx.Client(base_url=running.url) as http:
             missing = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
-            wrong = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer nope"})
+            wrong = http.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer nope"}
+            )
             assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-            ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer s3cret"})
+            ok = http.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer s3cret"}
+            )
             assert ok.status_code == 200
             assert all(http.get(path).status_code == 200 for path in ("/health", "/ready", "/metrics"))
     finally:
@@ -85,7 +115,9 @@ def test_api_key(artifacts) -> None:
 
 
 def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(artifacts) -> None:
-    running = start_server(ServerSettings(models=(str(artifacts["lm"]),), max_waiting=2, max_num_seqs=1))
+    running = start_server(
+        ServerSettings(models=(str(artifacts["lm"]),), engine=EngineConfig(max_waiting=2, max_num_seqs=1))
+    )
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
@@ -105,10 +137,15 @@ def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(artif
             assert len(r.json()["choices"][0]["text"]) > 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(artifacts) -> None:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "server", str(artifacts["lm"]), "--port", str(port), "--log-level", "warning"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moe_serve.server", str(artifacts["lm"]), "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -120,7 +157,9 @@ def test_sigterm_drains_in_flight_requests(artifacts) -> None:
 
         async def long_request_then_sigterm() -> httpx.Response:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                task = asyncio.create_task(http.post("/v1/completions", json={"prompt": "drain", "max_tokens": 120, "ignore_eos": True}))
+                task = asyncio.create_task(
+                    http.post("/v1/completions", json={"prompt": "drain", "max_tokens": 120, "ignore_eos": True})
+                )
                 await asyncio.sleep(0.3)
                 os.kill(process.pid, signal.SIGTERM)
                 return await task

@@ -5,11 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
-import pytest
-
-from loadtests.loadgen import main, percentile
-
-pytestmark = pytest.mark.slow
+from moe_serve.loadtests.loadgen import main, percentile
 
 
 def test_percentile() -> None:
@@ -18,8 +14,26 @@ def test_percentile() -> None:
 
 def test_loadgen_reports_a_cell_per_concurrency_and_k(server, tmp_path) -> None:
     out_json, out_csv = tmp_path / "load.json", tmp_path / "load.csv"
-    code = main(["--url", server.url, "--model", "tiny-lm", "--concurrency", "1,4", "--k", "1,4", "--requests", "6",
-                 "--max-tokens", "8", "--json", str(out_json), "--csv", str(out_csv)])
+    code = main(
+        [
+            "--url",
+            server.url,
+            "--model",
+            "tiny-lm",
+            "--concurrency",
+            "1,4",
+            "--k",
+            "1,4",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(out_json),
+            "--csv",
+            str(out_csv),
+        ]
+    )
     assert code == 0
     cells = json.loads(out_json.read_text())["cells"]
     assert [(c["concurrency"], c["k"]) for c in cells] == [(1, 1), (1, 4), (4, 1), (4, 4)]

@@ -8,12 +8,12 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 def test_openai_client_completion_reports_k(server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    response = client.completions.create(model="tiny-lm", prompt="ROMEO.", max_tokens=6, temperature=0, extra_body={"experts_per_token": 3})
+    response = client.completions.create(
+        model="tiny-lm", prompt="ROMEO.", max_tokens=6, temperature=0, extra_body={"experts_per_token": 3}
+    )
     assert len(response.choices) == 1 and response.choices[0].finish_reason in {"length", "stop"}
     assert response.usage.experts_per_token == 3  # the k used, reported back
     assert response.usage.prompt_tokens == len("ROMEO.") + 1  # with BOS
@@ -21,12 +21,21 @@ def test_openai_client_completion_reports_k(server) -> None:
     assert default.usage.experts_per_token == 2
     models = client.models.list()
     cards = {m.id: m for m in models.data}
-    assert cards["tiny-lm"].experts_per_token == {"default": 2, "min": 1, "max": 4} and cards["tiny-clf"].task == "sequence_classification"
+    assert (
+        cards["tiny-lm"].experts_per_token == {"default": 2, "min": 1, "max": 4}
+        and cards["tiny-clf"].task == "sequence_classification"
+    )
 
 
 def test_openai_client_streaming_equals_non_streaming(server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    kwargs = dict(model="tiny-lm", prompt="JULIET.", max_tokens=12, temperature=0, extra_body={"experts_per_token": 1, "ignore_eos": True})
+    kwargs = dict(
+        model="tiny-lm",
+        prompt="JULIET.",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"experts_per_token": 1, "ignore_eos": True},
+    )
     whole = client.completions.create(**kwargs).choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
@@ -35,7 +44,15 @@ def test_openai_client_streaming_equals_non_streaming(server) -> None:
 
 
 def test_token_id_prompts_lists_n_and_logprobs(client) -> None:
-    body = {"model": "tiny-lm", "prompt": [[256, 72, 105], [256, 79]], "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 5, "logprobs": 2}
+    body = {
+        "model": "tiny-lm",
+        "prompt": [[256, 72, 105], [256, 79]],
+        "max_tokens": 3,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 5,
+        "logprobs": 2,
+    }
     data = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
     for choice in data["choices"]:
@@ -45,7 +62,14 @@ def test_token_id_prompts_lists_n_and_logprobs(client) -> None:
 
 
 async def _completion(http: httpx.AsyncClient, prompt: str, k: int) -> str:
-    body = {"model": "tiny-lm", "prompt": prompt, "max_tokens": 10, "temperature": 0, "experts_per_token": k, "ignore_eos": True}
+    body = {
+        "model": "tiny-lm",
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0,
+        "experts_per_token": k,
+        "ignore_eos": True,
+    }
     response = await http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["experts_per_token"] == k
@@ -67,20 +91,43 @@ def test_32_concurrent_mixed_k_requests_equal_one_at_a_time(server) -> None:
 
 def test_chat_with_template_and_without(client) -> None:
     client_ = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="x")
-    chat = client_.chat.completions.create(model="tiny-lm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    chat = client_.chat.completions.create(
+        model="tiny-lm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.experts_per_token == 2
-    chunks = list(client_.chat.completions.create(model="tiny-lm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True))
+    chunks = list(
+        client_.chat.completions.create(
+            model="tiny-lm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
-    response = client.post("/v1/chat/completions", json={"model": "tiny-clf", "messages": [{"role": "user", "content": "Hi"}]})
+    response = client.post(
+        "/v1/chat/completions", json={"model": "tiny-clf", "messages": [{"role": "user", "content": "Hi"}]}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
 
 
 def test_classify_and_score(client) -> None:
-    data = client.post("/v1/classify", json={"model": "tiny-clf", "input": ["Out, damned spot!", "If music be the food of love"], "experts_per_token": 2}).json()
+    data = client.post(
+        "/v1/classify",
+        json={
+            "model": "tiny-clf",
+            "input": ["Out, damned spot!", "If music be the food of love"],
+            "experts_per_token": 2,
+        },
+    ).json()
     assert [d["index"] for d in data["data"]] == [0, 1]
     assert all(d["label"] in d["probs"] and abs(sum(d["probs"].values()) - 1) < 1e-5 for d in data["data"])
     assert data["usage"]["experts_per_token"] == 2 and data["usage"]["approximate"] is True
-    scored = client.post("/v1/score", json={"model": "tiny-lm", "input": "Exit, pursued by a bear.", "experts_per_token": 4, "return_token_logprobs": True}).json()
+    scored = client.post(
+        "/v1/score",
+        json={
+            "model": "tiny-lm",
+            "input": "Exit, pursued by a bear.",
+            "experts_per_token": 4,
+            "return_token_logprobs": True,
+        },
+    ).json()
     item = scored["data"][0]
     assert item["num_bytes"] == 24 and len(item["token_logprobs"]) == item["num_tokens"] == 24
     assert scored["usage"]["experts_per_token"] == 4
@@ -88,7 +135,14 @@ def test_classify_and_score(client) -> None:
 
 
 def test_streaming_client_that_disconnects_frees_its_slot(server, client) -> None:
-    body = {"model": "tiny-lm", "prompt": "Long", "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tiny-lm",
+        "prompt": "Long",
+        "max_tokens": 64,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with httpx.Client(base_url=server.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -103,17 +157,32 @@ def test_streaming_client_that_disconnects_frees_its_slot(server, client) -> Non
     assert engine.num_running == 0
     metrics = client.get("/metrics").text
     assert 'moe_serve_num_requests_running{model="tiny-lm"} 0.0' in metrics
-    assert client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "after", "max_tokens": 2}).status_code == 200
+    assert (
+        client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "after", "max_tokens": 2}).status_code == 200
+    )
 
 
 def test_metrics_have_latency_histograms_by_k(client) -> None:
     for k in (1, 4):
-        assert client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "k", "max_tokens": 3, "experts_per_token": k}).status_code == 200
+        assert (
+            client.post(
+                "/v1/completions", json={"model": "tiny-lm", "prompt": "k", "max_tokens": 3, "experts_per_token": k}
+            ).status_code
+            == 200
+        )
     text = client.get("/metrics").text
-    for name in ("moe_serve_time_to_first_token_seconds", "moe_serve_e2e_request_latency_seconds", "moe_serve_request_queue_time_seconds", "moe_serve_inter_token_latency_seconds"):
+    for name in (
+        "moe_serve_time_to_first_token_seconds",
+        "moe_serve_e2e_request_latency_seconds",
+        "moe_serve_request_queue_time_seconds",
+        "moe_serve_inter_token_latency_seconds",
+    ):
         for k in ("1", "4"):
-            assert f'{name}_count{{' in text and f'k="{k}"' in text
-            assert any(line.startswith(name + "_count") and f'k="{k}"' in line and 'model="tiny-lm"' in line for line in text.splitlines()), (name, k)
+            assert f"{name}_count{{" in text and f'k="{k}"' in text
+            assert any(
+                line.startswith(name + "_count") and f'k="{k}"' in line and 'model="tiny-lm"' in line
+                for line in text.splitlines()
+            ), (name, k)
     assert 'moe_serve_requests_total{endpoint="/v1/completions",model="tiny-lm",status="200"}' in text
     assert 'moe_serve_expert_tokens_total{expert="0",layer="1",model="tiny-lm"}' in text
     assert "moe_serve_generation_tokens_total" in text and "moe_serve_num_requests_waiting" in text

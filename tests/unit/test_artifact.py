@@ -61,13 +61,19 @@ def test_half_precision_storage_loads_as_fp32(tmp_path: Path) -> None:
 
 BAD_CONFIGS = {
     "unknown format_version": (lambda m: m.__setitem__("format_version", 99), "unknown format_version 99"),
-    "unknown router kind": (lambda m: m["model"]["moe"]["router"].__setitem__("kind", "expert_choice"), "router kind must be one of"),
+    "unknown router kind": (
+        lambda m: m["model"]["moe"]["router"].__setitem__("kind", "expert_choice"),
+        "router kind must be one of",
+    ),
     "k above num_experts": (
         lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("max", 9),
         "experts_per_token range must satisfy 1 <= min <= default <= max <= num_experts (4)",
     ),
-    "k default zero": (lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("default", 0), "experts_per_token.default must be a positive integer"),
-    "not a moe-serve config": (lambda m: m.__setitem__("format", "gguf"), 'is not a moe-serve artifact config'),
+    "k default zero": (
+        lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("default", 0),
+        "experts_per_token.default must be a positive integer",
+    ),
+    "not a moe-serve config": (lambda m: m.__setitem__("format", "gguf"), "is not a moe-serve artifact config"),
     "missing field": (lambda m: m["model"].pop("hidden_size"), "model: missing required field 'hidden_size'"),
 }
 
@@ -81,13 +87,22 @@ def test_bad_config_is_refused_with_a_clear_message(make_artifact, edit, message
 
 
 BAD_WEIGHTS = {
-    "missing tensor": (lambda t: t.pop("layers.1.moe.router.weight"), r"missing tensor 'layers.1.moe.router.weight' \(expected shape \[4, 32\]\)"),
-    "unexpected tensor": (lambda t: t.__setitem__("layers.0.moe.router.weight", torch.zeros(4, 32)), "unexpected tensor 'layers.0.moe.router.weight'"),
+    "missing tensor": (
+        lambda t: t.pop("layers.1.moe.router.weight"),
+        r"missing tensor 'layers.1.moe.router.weight' \(expected shape \[4, 32\]\)",
+    ),
+    "unexpected tensor": (
+        lambda t: t.__setitem__("layers.0.moe.router.weight", torch.zeros(4, 32)),
+        "unexpected tensor 'layers.0.moe.router.weight'",
+    ),
     "wrong shape": (
         lambda t: t.__setitem__("layers.1.moe.experts.down_proj.weight", torch.zeros(4, 32, 47)),
         r"tensor 'layers.1.moe.experts.down_proj.weight' has shape \[4, 32, 47\], expected \[4, 32, 48\]",
     ),
-    "integer dtype": (lambda t: t.__setitem__("norm.weight", torch.ones(32, dtype=torch.int32)), "tensor 'norm.weight' has dtype I32"),
+    "integer dtype": (
+        lambda t: t.__setitem__("norm.weight", torch.ones(32, dtype=torch.int32)),
+        "tensor 'norm.weight' has dtype I32",
+    ),
 }
 
 
@@ -141,4 +156,3 @@ def test_config_rejects_soft_merge_for_causal_lm() -> None:
     moe = dataclasses.replace(classifier_config().moe)
     with pytest.raises(ConfigError, match="soft_merge decides once per complete input"):
         lm_config(moe=moe)
-

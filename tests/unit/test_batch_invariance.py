@@ -33,7 +33,9 @@ def test_greedy_tokens_and_logprobs_alone_vs_in_a_mixed_batch(llm: LLM, k: int) 
     params = SamplingParams(max_tokens=12, temperature=0, experts_per_token=k, logprobs=5, ignore_eos=True)
     alone = llm.generate([TARGET], params)[0].outputs[0]
     others = [
-        SamplingParams(max_tokens=3 + i, temperature=0 if i % 2 else 0.9, seed=i, experts_per_token=1 + (i + k) % NUM_EXPERTS)
+        SamplingParams(
+            max_tokens=3 + i, temperature=0 if i % 2 else 0.9, seed=i, experts_per_token=1 + (i + k) % NUM_EXPERTS
+        )
         for i in range(len(OTHER_PROMPTS))
     ]
     position = k % (len(OTHER_PROMPTS) + 1)
@@ -43,7 +45,7 @@ def test_greedy_tokens_and_logprobs_alone_vs_in_a_mixed_batch(llm: LLM, k: int) 
     batched = llm.generate(prompts, all_params)[position].outputs[0]
     assert batched.token_ids == alone.token_ids
     torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
-    for a, b in zip(alone.top_logprobs, batched.top_logprobs):
+    for a, b in zip(alone.top_logprobs, batched.top_logprobs, strict=True):
         assert a.keys() == b.keys()
         torch.testing.assert_close(torch.tensor(list(b.values())), torch.tensor(list(a.values())), atol=1e-5, rtol=0)
 

@@ -12,7 +12,9 @@ from tests.conftest import lm_config
 CASES = {
     "rotary_rmsnorm_pre": dict(position="rotary", norm="rmsnorm", norm_position="pre"),
     "learned_layernorm_pre": dict(position="learned", norm="layernorm", norm_position="pre"),
-    "relative_layernorm_post": dict(position="relative", norm="layernorm", norm_position="post", final_norm=False, embedding_scale=32**0.5),
+    "relative_layernorm_post": dict(
+        position="relative", norm="layernorm", norm_position="post", final_norm=False, embedding_scale=32**0.5
+    ),
     "relative_rmsnorm_pre_gqa": dict(position="relative", num_kv_heads=1),
 }
 
@@ -39,7 +41,11 @@ def test_prefill_plus_decode_equals_full_forward(make_artifact, overrides) -> No
                 break
             chunks = [sequences[b][cached[b] : cached[b] + step[b]] for b in rows]
             hidden, mask = runner.forward(
-                chunks, [ks[b] for b in rows], start_positions=[cached[b] for b in rows], slots=[slots[b] for b in rows], cache=cache
+                chunks,
+                [ks[b] for b in rows],
+                start_positions=[cached[b] for b in rows],
+                slots=[slots[b] for b in rows],
+                cache=cache,
             )
             logits = model.lm_logits(hidden)
             for row, b in enumerate(rows):

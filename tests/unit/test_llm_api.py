@@ -21,19 +21,47 @@ def llm(tmp_path_factory) -> LLM:
 
 BAD_CALLS = {
     "k zero": (lambda llm: llm.generate("hi", SamplingParams(experts_per_token=0)), "experts_per_token", "at least 1"),
-    "k above N": (lambda llm: llm.generate("hi", SamplingParams(experts_per_token=NUM_EXPERTS + 1)), "experts_per_token", f"between 1 and {NUM_EXPERTS}, got 5"),
-    "k not an integer": (lambda llm: llm.generate("hi", SamplingParams(experts_per_token="two")), "experts_per_token", "must be an integer"),
+    "k above N": (
+        lambda llm: llm.generate("hi", SamplingParams(experts_per_token=NUM_EXPERTS + 1)),
+        "experts_per_token",
+        f"between 1 and {NUM_EXPERTS}, got 5",
+    ),
+    "k not an integer": (
+        lambda llm: llm.generate("hi", SamplingParams(experts_per_token="two")),
+        "experts_per_token",
+        "must be an integer",
+    ),
     "k float": (lambda llm: llm.score("hi there", experts_per_token=2.5), "experts_per_token", "must be an integer"),
     "empty prompt list": (lambda llm: llm.generate([]), "prompt", "non-empty list"),
     "empty prompt": (lambda llm: llm.generate([""]), "prompt", "must not be empty"),
     "max_tokens zero": (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens", "at least 1"),
-    "prompt too long": (lambda llm: llm.generate("x" * 300, SamplingParams(max_tokens=1)), "prompt", "context is 256 tokens"),
-    "prompt + max_tokens too long": (lambda llm: llm.generate("x" * 200, SamplingParams(max_tokens=100)), "max_tokens", "exceeds"),
-    "temperature negative": (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature", "at least 0"),
+    "prompt too long": (
+        lambda llm: llm.generate("x" * 300, SamplingParams(max_tokens=1)),
+        "prompt",
+        "context is 256 tokens",
+    ),
+    "prompt + max_tokens too long": (
+        lambda llm: llm.generate("x" * 200, SamplingParams(max_tokens=100)),
+        "max_tokens",
+        "exceeds",
+    ),
+    "temperature negative": (
+        lambda llm: llm.generate("hi", SamplingParams(temperature=-1)),
+        "temperature",
+        "at least 0",
+    ),
     "top_p above one": (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p", "between 0.0 and 1.0"),
-    "params count": (lambda llm: llm.generate(["a", "b"], [SamplingParams()]), "sampling_params", "1 SamplingParams for 2 prompts"),
+    "params count": (
+        lambda llm: llm.generate(["a", "b"], [SamplingParams()]),
+        "sampling_params",
+        "1 SamplingParams for 2 prompts",
+    ),
     "classify on an LM": (lambda llm: llm.classify("hi"), "model", "classify needs a sequence_classification model"),
-    "token id out of range": (lambda llm: llm.generate([[1, 2, 999]]), "prompt", "token ids must be integers in 0..259"),
+    "token id out of range": (
+        lambda llm: llm.generate([[1, 2, 999]]),
+        "prompt",
+        "token ids must be integers in 0..259",
+    ),
 }
 
 
@@ -69,15 +97,21 @@ def test_temperature_zero_is_greedy_argmax(llm: LLM) -> None:
 
 def test_top_k_one_equals_greedy(llm: LLM) -> None:
     greedy = llm.generate("Lord, what fools", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    top1 = llm.generate("Lord, what fools", SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True))
+    top1 = llm.generate(
+        "Lord, what fools", SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
+    )
     assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
 
 
 def test_stop_string_cuts_the_output(llm: LLM) -> None:
-    free = llm.generate("The lady doth protest", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].outputs[0]
+    free = llm.generate("The lady doth protest", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[
+        0
+    ].outputs[0]
     stop = free.text[5:7]
     assert len(stop) == 2
-    cut = llm.generate("The lady doth protest", SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True))[0].outputs[0]
+    cut = llm.generate(
+        "The lady doth protest", SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True)
+    )[0].outputs[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.find(stop)]
     assert stop not in cut.text
@@ -85,7 +119,9 @@ def test_stop_string_cuts_the_output(llm: LLM) -> None:
 
 
 def test_n_completions_and_logprobs(llm: LLM) -> None:
-    out = llm.generate("Et tu", SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=1, logprobs=2, ignore_eos=True))[0]
+    out = llm.generate(
+        "Et tu", SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=1, logprobs=2, ignore_eos=True)
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     for o in out.outputs:
@@ -135,5 +171,7 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_artifact)
         llm.generate([[1] * 5], SamplingParams(max_tokens=40))
     assert info.value.parameter == "max_tokens"
     # Four requests of 20 tokens each: at most two run at once, all complete.
-    outs = llm.generate([[1] * 5, [2] * 5, [3] * 5, [4] * 5], SamplingParams(max_tokens=15, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        [[1] * 5, [2] * 5, [3] * 5, [4] * 5], SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [15] * 4

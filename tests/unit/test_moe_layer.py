@@ -71,7 +71,10 @@ def test_mixed_k_batch_matches_reference(router: RouterConfig) -> None:
 
 def test_shared_expert_with_sigmoid_gate_matches_reference() -> None:
     block = make_block(
-        ROUTERS["topk_softmax_unnormalized"], EXPERTS["glu_silu"], shared_expert=FFNConfig("glu", 40), shared_expert_gate=True
+        ROUTERS["topk_softmax_unnormalized"],
+        EXPERTS["glu_silu"],
+        shared_expert=FFNConfig("glu", 40),
+        shared_expert_gate=True,
     )
     x, mask = batch(seed=5)
     ks = [2, 4, 1, 6]

@@ -34,10 +34,12 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(_Request):
-    max_tokens: StrictInt | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: StrictInt = 1
+    """Sampling fields; a field left out takes SamplingParams' default (the one place defaults live)."""
+
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -47,34 +49,31 @@ class _SamplingFields(_Request):
     user: str | None = None
     # --- moe-serve extensions (OpenAI clients send them through extra_body) ---
     experts_per_token: StrictInt | None = None
-    top_k: StrictInt = 0
-    ignore_eos: StrictBool = False
+    top_k: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
 
     def refuse_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValidationError(f"{name} is not supported by this server; send 0 or leave it out", parameter=name)
         if self.model_extra and "moe" in self.model_extra:
-            raise ValidationError("adaptive 'moe' policies are not supported yet; use experts_per_token", parameter="moe")
+            raise ValidationError(
+                "adaptive 'moe' policies are not supported yet; use experts_per_token", parameter="moe"
+            )
 
     def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
         self.refuse_unsupported()
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        if max_tokens > max_tokens_cap:
-            raise ValidationError(f"max_tokens must be at most {max_tokens_cap}, got {max_tokens}", parameter="max_tokens")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=stop,
-            n=self.n,
-            logprobs=logprobs,
-            experts_per_token=self.experts_per_token,
-            ignore_eos=self.ignore_eos,
-        )
+        if self.max_tokens is not None and self.max_tokens > max_tokens_cap:
+            raise ValidationError(
+                f"max_tokens must be at most {max_tokens_cap}, got {self.max_tokens}", parameter="max_tokens"
+            )
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.stop is not None:
+            given["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return SamplingParams(**given, logprobs=logprobs, experts_per_token=self.experts_per_token)
+
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos")
 
 
 class CompletionRequest(_SamplingFields):

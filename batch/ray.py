@@ -1,23 +1,24 @@
-"""`moe-serve batch --ray [ADDRESS]`: chunks of the batch file run on Ray actors, each loading the models
-once; the driver appends results as chunks finish, so resume works exactly as in a local run."""
+"""`moe-serve batch --ray [ADDRESS]`: chunks of the batch file run on Ray actors, each starting the models'
+engines once; the driver appends results as chunks finish, so resume works exactly as in a local run."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from moe_serve.batch.jsonl import BatchItem
+from moe_serve.batch.runner import ChunkRunner, EnginePool, process_chunk
 from moe_serve.config import EngineConfig
 from moe_serve.errors import MoEServeError
-from server.batch import BatchItem, ChunkRunner, ModelPool, process_chunk
 
 
 class BatchWorker:
-    """One per Ray actor: its own model pool and a single torch thread (Ray gives it one CPU)."""
+    """One per Ray actor: its own engines and a single torch thread (Ray gives it one CPU)."""
 
     def __init__(self, engine_config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(1)
-        self.pool = ModelPool(engine_config)
+        self.pool = EnginePool(engine_config)
 
     def run(self, items: list[BatchItem]) -> list[dict]:
         return process_chunk(self.pool, items)

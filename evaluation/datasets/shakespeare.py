@@ -61,7 +61,9 @@ def load_plays() -> tuple[Play, ...]:
     for genre in GENRES:
         for entry in sorted((root / genre).iterdir(), key=lambda p: p.name):
             if entry.name.endswith(".md"):
-                plays.append(Play(entry.name[: -len(".md")], genre, markdown_to_text(entry.read_text(encoding="utf-8"))))
+                plays.append(
+                    Play(entry.name[: -len(".md")], genre, markdown_to_text(entry.read_text(encoding="utf-8")))
+                )
     return tuple(plays)
 
 

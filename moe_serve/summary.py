@@ -48,9 +48,12 @@ def summarize(path: Path) -> dict[str, Any]:
             "layers": list(moe.layers),
             "num_experts": moe.num_experts,
             "expert": f"{moe.expert.kind} {moe.expert.activation} x{moe.expert.intermediate_size}",
-            "router": moe.router.kind + ("" if moe.router.normalize or moe.router.kind != "topk_softmax" else " (normalize=false)"),
+            "router": moe.router.kind
+            + ("" if moe.router.normalize or moe.router.kind != "topk_softmax" else " (normalize=false)"),
             "experts_per_token": {"default": moe.default_k, "min": moe.min_k, "max": moe.max_k},
-            "shared_expert": None if moe.shared_expert is None else f"{moe.shared_expert.kind} x{moe.shared_expert.intermediate_size}"
+            "shared_expert": None
+            if moe.shared_expert is None
+            else f"{moe.shared_expert.kind} x{moe.shared_expert.intermediate_size}"
             + (" (sigmoid-gated)" if moe.shared_expert_gate else ""),
         }
         summary["parameters"]["per_expert_per_layer"] = per_expert
@@ -62,8 +65,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"{summary['path']}  ({summary['task']}, format v{summary['format_version']})"]
     arch = summary["architecture"]
     lines.append(
-        f"  {arch['layers']} layers, hidden {arch['hidden_size']}, {arch['heads']} heads ({arch['kv_heads']} kv, dim {arch['head_dim']}), "
-        f"{arch['position']} positions, {arch['norm']}, vocab {arch['vocab_size']}, context {arch['max_position_embeddings']}"
+        f"  {arch['layers']} layers, hidden {arch['hidden_size']}, {arch['heads']} heads "
+        f"({arch['kv_heads']} kv, dim {arch['head_dim']}), "
+        f"{arch['position']} positions, {arch['norm']}, vocab {arch['vocab_size']}, "
+        f"context {arch['max_position_embeddings']}"
     )
     lines.append(f"  dense FFN: {arch['dense_ffn']}")
     if "labels" in summary:
@@ -71,7 +76,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     moe = summary.get("moe")
     if moe:
         k = moe["experts_per_token"]
-        lines.append(f"  MoE layers {moe['layers']}: {moe['num_experts']} experts ({moe['expert']}), router {moe['router']}")
+        lines.append(
+            f"  MoE layers {moe['layers']}: {moe['num_experts']} experts ({moe['expert']}), router {moe['router']}"
+        )
         lines.append(f"  experts_per_token: default {k['default']}, allowed {k['min']}..{k['max']}")
         if moe["shared_expert"]:
             lines.append(f"  shared expert: {moe['shared_expert']}")

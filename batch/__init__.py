@@ -1,0 +1,1 @@
+"""`moe-serve batch`: OpenAI Batch JSONL files answered offline, resumable, with k sweeps."""

@@ -1,0 +1,5 @@
+import sys
+
+from moe_serve.cli import main
+
+sys.exit(main())

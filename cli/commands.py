@@ -1,0 +1,263 @@
+"""One function per `moe-serve` command: parsed options in, output printed, exit status out. Heavy
+modules are imported inside each command, so `moe-serve models` starts fast."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from moe_serve.batch.options import BatchOptions
+from moe_serve.cli.options import from_options, int_list
+from moe_serve.config import EngineConfig, RequestLimits
+from moe_serve.errors import ValidationError
+from moe_serve.sampling_params import SamplingParams
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moe_serve.server.app import create_app
+    from moe_serve.server.settings import ServerSettings
+
+    settings = from_options(
+        ServerSettings,
+        args,
+        models=tuple(args.models),
+        engine=from_options(EngineConfig, args),
+        limits=from_options(RequestLimits, args),
+    )
+    logging.getLogger().setLevel(settings.log_level.upper())
+    app = create_app(settings)
+    logging.getLogger("moe_serve.server").info(
+        "serving %s on http://%s:%d", ", ".join(app.state.ctx.models), settings.host, settings.port
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout),
+    )
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from moe_serve.llm import LLM
+
+    llm = LLM(args.model, from_options(EngineConfig, args))
+    outputs = llm.generate(args.prompt, from_options(SamplingParams, args))
+    data = [
+        {
+            "prompt": o.prompt,
+            "experts_per_token": o.experts_per_token,
+            "completions": [
+                {"text": c.text, "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)} for c in o.outputs
+            ],
+        }
+        for o in outputs
+    ]
+    _emit(args, data, "\n\n".join(f"{o.prompt}{c.text}" for o in outputs for c in o.outputs))
+    return 0
+
+
+def classify(args: argparse.Namespace) -> int:
+    return _pooling(
+        args,
+        lambda r: (
+            f"{r.label}\t{r.probs[r.label]:.3f}\t(k={r.experts_per_token}{', approximate' if r.approximate else ''})"
+        ),
+    )
+
+
+def score(args: argparse.Namespace) -> int:
+    return _pooling(
+        args,
+        lambda r: (
+            f"logprob {r.total_logprob:.3f}\ttokens {r.num_tokens}\t"
+            f"bits/byte {r.bits_per_byte:.4f}\t(k={r.experts_per_token})"
+        ),
+    )
+
+
+def _pooling(args: argparse.Namespace, describe: Any) -> int:
+    """classify or score (args.command) each text; one line per text: describe(result), then the text."""
+    from moe_serve.llm import LLM
+
+    llm = LLM(args.model, from_options(EngineConfig, args))
+    results = getattr(llm, args.command)(args.texts, experts_per_token=args.experts_per_token)
+    pairs = list(zip(args.texts, results, strict=True))
+    _emit(
+        args,
+        [{"input": t, **dataclasses.asdict(r)} for t, r in pairs],
+        "\n".join(f"{describe(r)}\t{t}" for t, r in pairs),
+    )
+    return 0
+
+
+def batch(args: argparse.Namespace) -> int:
+    from moe_serve.batch.runner import run_batch
+
+    options = from_options(BatchOptions, args)
+    if not options.input_path.is_file():
+        raise ValidationError(f"input file {options.input} does not exist", parameter="input")
+    ks = int_list(options.k, "k")
+    engine_config = from_options(EngineConfig, args)
+    runner = None
+    if options.ray:
+        from moe_serve.batch.ray import ray_chunk_runner
+
+        runner = ray_chunk_runner(None if options.ray == "local" else options.ray, options.ray_workers, engine_config)
+    summary, _ = run_batch(
+        options.input_path,
+        options.output_path,
+        default_model=options.model,
+        ks=ks,
+        engine_config=engine_config,
+        chunk_size=options.chunk_size,
+        progress=not args.json,
+        chunk_runner=runner,
+    )
+    if options.quality:
+        _write_batch_quality(options)
+    data = dataclasses.asdict(summary)
+    data["tokens_per_s"] = (summary.prompt_tokens + summary.completion_tokens) / max(summary.seconds, 1e-9)
+    data["requests_per_s"] = summary.requests / max(summary.seconds, 1e-9)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(
+            f"{summary.lines} lines, {summary.requests} requests answered ({summary.skipped} already done), "
+            f"{summary.errors} errors, {summary.prompt_tokens} prompt + {summary.completion_tokens} generated tokens "
+            f"in {summary.seconds:.1f} s ({data['requests_per_s']:.1f} req/s, {data['tokens_per_s']:.0f} tok/s)",
+            file=sys.stderr,
+        )
+        if summary.duplicates:
+            print(f"duplicate custom_id (not run): {', '.join(summary.duplicates)}", file=sys.stderr)
+    return 0
+
+
+def _write_batch_quality(options: BatchOptions) -> None:
+    from moe_serve.batch.quality import quality_rows
+    from moe_serve.registry import resolve_model
+
+    rows = quality_rows(options.output_path, options.input_path.stem)
+    for model in sorted({r.model or "" for r in rows}):
+        mine = [r for r in rows if r.model == model]
+        target = options.output_path.with_name(f"{options.output_path.stem}.{Path(model).name}.quality.json")
+        targets = _quality_targets(resolve_model(model), target, options.write_artifact)
+        _save_quality(mine, targets)
+        for path in targets:
+            print(f"wrote {len(mine)} quality rows for {model} to {path}", file=sys.stderr)
+
+
+def _quality_targets(artifact: Path, target: Path, write_artifact: bool) -> list[Path]:
+    """Where quality rows go: `target` and, when asked, the artifact's own quality.json (which the server
+    exports). Checked before any work is done: a bundled demo's table is read-only data."""
+    from moe_serve.quality import QUALITY_FILE
+    from moe_serve.registry import is_bundled
+
+    if not write_artifact:
+        return [target]
+    if is_bundled(artifact):
+        raise ValidationError(
+            f"{artifact.name} is a bundled demo: its quality table is read-only data", parameter="write_artifact"
+        )
+    return [target, artifact / QUALITY_FILE]
+
+
+def _save_quality(rows: list, targets: list[Path]) -> None:
+    from moe_serve.quality import QualityTable
+
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        QualityTable(tuple(rows)).merge_into(path)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from moe_serve.evaluation.plot import plot
+    from moe_serve.evaluation.runner import evaluate as run_eval
+    from moe_serve.evaluation.table import format_table, write_csv
+    from moe_serve.llm import LLM
+    from moe_serve.quality import QUALITY_FILE
+
+    requested = int_list(args.k, "k")
+    output_dir = args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rows, written = [], {}
+    for model in args.models:
+        llm = LLM(model, from_options(EngineConfig, args))
+        moe = llm.config.moe
+        ks = requested or sorted(
+            {k for k in (1, 2, 4, 8, 16, 32, 64) if moe and k <= moe.max_k} | {moe.max_k if moe else 1}
+        )
+        name = llm.artifact.name
+        targets = _quality_targets(llm.artifact.path, output_dir / name / QUALITY_FILE, args.write_artifact)
+        model_rows = run_eval(llm, ks, args.dataset, args.max_items, progress=not args.json)
+        _save_quality(model_rows, targets)
+        written[name] = [str(t) for t in targets]
+        rows += model_rows
+    write_csv(output_dir / "quality.csv", rows)
+    plot(output_dir / "quality_vs_k.png", rows)
+    files = {
+        "csv": str(output_dir / "quality.csv"),
+        "png": str(output_dir / "quality_vs_k.png"),
+        "quality_json": written,
+    }
+    paths = [files["csv"], files["png"], *(p for group in written.values() for p in group)]
+    _emit(
+        args,
+        {"results": [r.to_dict() for r in rows], "files": files},
+        format_table(rows) + "\n" + "\n".join(f"wrote {p}" for p in paths),
+    )
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from moe_serve.exporters import exporter
+    from moe_serve.exporters.base import ExportOptions
+    from moe_serve.exporters.dtypes import STORAGE_DTYPES
+
+    options = ExportOptions(STORAGE_DTYPES[args.dtype] if args.dtype else None, not args.quiet, args.overwrite)
+    path = exporter(args.format)(args.src, args.dst, options)
+    print(f"wrote {path}")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from moe_serve.registry import resolve_model
+    from moe_serve.summary import format_summary, summarize
+
+    summary = summarize(resolve_model(args.model))
+    _emit(args, summary, format_summary(summary))
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    from moe_serve.registry import bundled_models
+
+    listing = {name: str(path) for name, path in bundled_models().items()}
+    _emit(args, listing, "\n".join(f"{name}\t{path}" for name, path in listing.items()) or "no bundled models")
+    return 0
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+COMMANDS = {
+    "serve": serve,
+    "generate": generate,
+    "classify": classify,
+    "score": score,
+    "batch": batch,
+    "eval": evaluate,
+    "export": export,
+    "inspect": inspect,
+    "models": models,
+}

@@ -1,0 +1,98 @@
+"""The one parser of `moe-serve` (DESIGN §11): every command, its options derived from the config
+dataclasses. Every command that reports data takes --json and then prints one JSON document."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moe_serve.batch.options import BatchOptions
+from moe_serve.cli.options import add_options
+from moe_serve.config import EngineConfig, RequestLimits
+from moe_serve.exporters import FORMATS
+from moe_serve.exporters.dtypes import STORAGE_DTYPES
+from moe_serve.sampling_params import SamplingParams
+from moe_serve.server.settings import ServerSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-serve", description="Serve Mixture-of-Experts models with per-request experts_per_token."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (no MODEL: every bundled demo)")
+    serve.add_argument("models", nargs="*", metavar="MODEL", help="artifact directories or bundled names")
+    add_options(serve, ServerSettings)
+    add_options(serve, EngineConfig)
+    add_options(serve, RequestLimits)
+
+    generate = commands.add_parser("generate", help="complete a prompt")
+    _model_arguments(generate)
+    generate.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    add_options(generate, SamplingParams)
+
+    for name, help_text in (("classify", "classify texts"), ("score", "log-likelihood and bits per byte of texts")):
+        sub = commands.add_parser(name, help=help_text)
+        _model_arguments(sub)
+        sub.add_argument("texts", nargs="+", metavar="TEXT")
+        sub.add_argument(
+            "--experts-per-token", "-k", type=int, default=None, help="active experts per token (default: the model's)"
+        )
+
+    batch = commands.add_parser("batch", help="OpenAI Batch JSONL in, results out (resumable, k sweeps)")
+    batch.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_options(batch, BatchOptions)
+    add_options(batch, EngineConfig)
+
+    evaluate = commands.add_parser(
+        "eval", help="quality against k on a held-out dataset (table, CSV, PNG, quality.json)"
+    )
+    evaluate.add_argument("models", nargs="+", metavar="MODEL")
+    evaluate.add_argument(
+        "--k", default=None, help="comma-separated k values (default: 1, 2, 4, ... up to the model's max)"
+    )
+    evaluate.add_argument("--dataset", default="shakespeare")
+    evaluate.add_argument(
+        "--max-items",
+        type=int,
+        default=None,
+        help="evaluate N windows or passages sampled evenly across the held-out plays (default: all)",
+    )
+    evaluate.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("eval-results"),
+        help="where the table, CSV, PNG and each model's quality.json go",
+    )
+    evaluate.add_argument(
+        "--write-artifact",
+        action="store_true",
+        help="also merge the results into each artifact's own quality.json (never a bundled demo's)",
+    )
+    evaluate.add_argument("--json", action="store_true")
+    add_options(evaluate, EngineConfig)
+
+    export = commands.add_parser("export", help="convert a training or Hugging Face checkpoint into an artifact")
+    export.add_argument("format", choices=sorted(FORMATS), help="source format")
+    export.add_argument("src", type=Path, help="source checkpoint directory")
+    export.add_argument("dst", type=Path, help="artifact directory to write (written aside, then renamed)")
+    export.add_argument(
+        "--dtype", choices=sorted(STORAGE_DTYPES), default=None, help="storage dtype (default: as in the source)"
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    export.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    inspect = commands.add_parser("inspect", help="summarize an artifact: architecture, experts, k range, parameters")
+    inspect.add_argument("model", metavar="MODEL")
+    inspect.add_argument("--json", action="store_true")
+
+    models = commands.add_parser("models", help="list the bundled demo models")
+    models.add_argument("--json", action="store_true")
+    return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="artifact directory or bundled demo model name")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    add_options(parser, EngineConfig)

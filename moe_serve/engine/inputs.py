@@ -1,0 +1,117 @@
+"""Request inputs checked against one model and engine: the request's k, text -> token ids, and the
+limits a generation request must fit. The one place these are validated: the API layer calls it once on
+the way in and the engine trusts what it returns (re-checking only cheap invariants)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_serve.artifact import Artifact
+from moe_serve.errors import ValidationError
+from moe_serve.model_config import ModelConfig
+from moe_serve.sampling_params import SamplingParams, check_int
+from moe_serve.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class InputProcessor:
+    name: str  # the served model's name
+    config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int  # prompt + completion tokens
+    kv_cache_tokens: int  # KV positions all running sequences may hold together
+
+    @classmethod
+    def for_artifact(cls, artifact: Artifact, max_model_len: int, kv_cache_tokens: int) -> InputProcessor:
+        return cls(artifact.name, artifact.config, artifact.tokenizer, max_model_len, kv_cache_tokens)
+
+    def require_task(self, task: str, what: str) -> None:
+        if self.config.task != task:
+            raise ValidationError(
+                f"{what} needs a {task} model; '{self.name}' is {self.config.task}", parameter="model"
+            )
+
+    def resolve_k(self, value: int | None) -> int:
+        """The request's k: validated against the model's range; the default when None."""
+        moe = self.config.moe
+        if moe is None:
+            if value is not None:
+                raise ValidationError(
+                    f"experts_per_token was given but model '{self.name}' has no MoE layers",
+                    parameter="experts_per_token",
+                    value=value,
+                )
+            return 1
+        if value is None:
+            return moe.default_k
+        check_int("experts_per_token", value, moe.min_k, moe.max_k)
+        return value
+
+    def encode_text(self, text: str, parameter: str) -> list[int]:
+        """Token ids of a text input, starting with BOS for models that want it; checked against the context."""
+        if not isinstance(text, str):
+            raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
+        if self.config.add_bos_token:
+            ids = [self.config.bos_token_id, *ids]  # type: ignore[list-item]  # checked by ModelConfig
+        if len(ids) > self.max_model_len:
+            raise ValidationError(
+                f"{parameter} has {len(ids)} tokens; this model's context is {self.max_model_len} tokens",
+                parameter=parameter,
+            )
+        return ids
+
+    def check_token_ids(self, token_ids: list[int], parameter: str) -> list[int]:
+        if not token_ids:
+            raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise ValidationError(f"{parameter} token ids must be integers in 0..{vocab - 1}", parameter=parameter)
+        return list(token_ids)
+
+    def check_generation(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate a generation request; returns its k. Pure: safe from any thread."""
+        self.check_token_ids(prompt_token_ids, "prompt")
+        k = self.resolve_k(params.experts_per_token)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValidationError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "(prompt + max_tokens must fit)",
+                parameter="prompt",
+            )
+        need = len(prompt_token_ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ValidationError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds this model's "
+                f"context of {self.max_model_len} tokens",
+                parameter="max_tokens",
+            )
+        if need * params.n > self.kv_cache_tokens:
+            raise ValidationError(
+                f"this request needs {need * params.n} tokens of KV cache (prompt + max_tokens, times n) but the "
+                f"engine's budget is {self.kv_cache_tokens}; it can never run",
+                parameter="max_tokens",
+            )
+        return k
+
+    def generation_request(self, prompt_token_ids: list[int], params: SamplingParams) -> GenerationRequest:
+        return GenerationRequest(list(prompt_token_ids), params, self.check_generation(prompt_token_ids, params))
+
+    def check_score_input(self, token_ids: list[int], index: int | None = None) -> list[int]:
+        if len(token_ids) < 2:
+            where = "input" if index is None else f"input[{index}]"
+            raise ValidationError(
+                f"{where} must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
+            )
+        return token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One prompt to complete, validated by InputProcessor.generation_request; the engine trusts it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    k: int  # experts per token, resolved against the model's range

@@ -1,0 +1,104 @@
+"""The quality-vs-k table (`quality.json`): the one place that reads, validates, merges and writes it.
+
+`moe-serve eval` and `moe-serve batch --quality` produce rows; an artifact may carry the table, which the
+server exports as `moe_serve_quality` gauges and the dashboard plots. Layout:
+
+    {"updated_at": "...Z", "results": [{"model": "...", "dataset": "...", "k": 2, "metric": "bits_per_byte",
+                                         "value": 2.41}, ...]}
+
+`model` is optional inside an artifact (the table belongs to that artifact).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_serve.errors import ArtifactError
+
+QUALITY_FILE = "quality.json"
+LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity"})
+
+
+@dataclass(frozen=True, slots=True)
+class QualityRow:
+    dataset: str
+    k: int
+    metric: str
+    value: float
+    model: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.dataset, self.k, self.metric)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class QualityTable:
+    rows: tuple[QualityRow, ...] = ()
+    updated_at: str | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> QualityTable:
+        """Parse and validate a quality.json; every problem is an ArtifactError naming the file and entry."""
+        try:
+            document = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ArtifactError(f"{path} is not a readable JSON quality table: {exc}") from None
+        if not isinstance(document, dict) or not isinstance(document.get("results"), list):
+            raise ArtifactError(f"{path} must be an object with a list 'results'")
+        rows = tuple(_row(entry, f"{path}: results[{i}]") for i, entry in enumerate(document["results"]))
+        updated = document.get("updated_at")
+        return cls(rows, updated if isinstance(updated, str) else None)
+
+    def merged(self, rows: list[QualityRow] | tuple[QualityRow, ...]) -> QualityTable:
+        """A new table in which `rows` replace earlier rows with the same (dataset, k, metric)."""
+        by_key = {row.key: row for row in self.rows}
+        by_key.update({row.key: row for row in rows})
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        return QualityTable(tuple(sorted(by_key.values(), key=lambda r: r.key)), stamp)
+
+    def write(self, path: Path) -> None:
+        """Write atomically (aside, then renamed), so a reader never sees half a table."""
+        path = Path(path)
+        document = {"updated_at": self.updated_at, "results": [row.to_dict() for row in self.rows]}
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    def merge_into(self, path: Path) -> QualityTable:
+        """Merge this table's rows into the file at `path` (created when missing); returns what was written."""
+        path = Path(path)
+        existing = QualityTable.read(path) if path.is_file() else QualityTable()
+        table = existing.merged(self.rows)
+        table.write(path)
+        return table
+
+    def for_model(self, model: str) -> QualityTable:
+        return QualityTable(tuple(r for r in self.rows if r.model in (None, model)), self.updated_at)
+
+
+def _row(entry: Any, where: str) -> QualityRow:
+    if not isinstance(entry, dict):
+        raise ArtifactError(f"{where} must be an object")
+    for name, kind in (("dataset", str), ("metric", str)):
+        if not isinstance(entry.get(name), kind) or not entry[name]:
+            raise ArtifactError(f"{where}.{name} must be a non-empty string, got {entry.get(name)!r}")
+    k = entry.get("k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ArtifactError(f"{where}.k must be a positive integer, got {k!r}")
+    value = entry.get("value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ArtifactError(f"{where}.value must be a finite number, got {value!r}")
+    model = entry.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ArtifactError(f"{where}.model must be a string, got {model!r}")
+    return QualityRow(entry["dataset"], k, entry["metric"], float(value), model)
