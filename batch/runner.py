@@ -95,12 +95,11 @@ async def _run(engine: AsyncEngine, limits: RequestLimits, item: BatchItem, requ
         completion_tokens = sum(r.num_generated_tokens for r in results)
         return response_line(item, 200, body.model_dump(), job.prompt_tokens, completion_tokens)
     pooled = prepare_pooling(inputs, request)  # type: ignore[arg-type]
-    ks = [pooled.k] * len(pooled.token_ids)
     if pooled.kind == "classify":
-        data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, ks))
+        data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, pooled.k))
     else:
         data = responses.score_response(
-            name, pooled, await engine.score(pooled.token_ids, ks, pooled.return_token_logprobs)
+            name, pooled, await engine.score(pooled.token_ids, pooled.k, pooled.return_token_logprobs)
         )
     return response_line(item, 200, data.model_dump(), pooled.prompt_tokens, 0)
 

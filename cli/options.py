@@ -28,7 +28,7 @@ def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str
         elif base == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = _TYPES.get(base, str)
+            kwargs["type"] = parse_size if meta.get("type") == "size" else _TYPES.get(base, str)
             kwargs["choices"] = meta.get("choices")
             kwargs["metavar"] = f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -51,3 +51,29 @@ def int_list(text: str | None, name: str) -> list[int] | None:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise ValidationError(f"--{name} must be comma-separated integers, got {text!r}", parameter=name) from None
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GB', '1073741824' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
+    return int(float(match.group(1)) * _UNITS[unit])

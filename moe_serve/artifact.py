@@ -180,6 +180,7 @@ def load_artifact(
         model = MoETransformer(config)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.eval().requires_grad_(False)
+    model.prepare()
 
     try:
         tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE)

@@ -19,23 +19,35 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16")
-    max_num_seqs: int = option(64, "sequences decoded together in one step (also the number of KV-cache slots)")
+    max_num_seqs: int = option(64, "sequences in one engine step")
+    max_num_batched_tokens: int = option(
+        2048, "tokens in one engine step (prompts are prefilled in chunks; a classified input must fit whole)"
+    )
     max_model_len: int | None = option(None, "longest prompt + completion in tokens (default: the model's context)")
     verify_checksums: bool = option(True, "check the artifact's sha256 checksums when loading", cli=False)
+    kv_cache_memory: int = option(
+        1 << 30, "bytes of KV cache (paged in blocks, allocated once; suffixes KiB, MiB, GiB accepted)", type="size"
+    )
     kv_cache_tokens: int | None = option(
-        None,
-        "KV-cache budget in tokens: running sequences reserve prompt + max_tokens each; a request that can never "
-        "fit is refused, others wait (default: max_num_seqs x max_model_len)",
+        None, "the KV-cache budget counted in tokens instead (a request that can never fit is refused)"
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed at the same k")
+    max_join_stall: float = option(
+        3.0, "while sequences decode, a step that prefills a prompt chunk costs at most this many decode steps"
     )
     max_waiting: int = option(256, "requests queued per model before new ones are refused with 429")
 
     def __post_init__(self) -> None:
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_waiting", self.max_waiting, 1)
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
-        if self.kv_cache_tokens is not None:
-            check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "kv_cache_memory"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("max_model_len", "kv_cache_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if not self.max_join_stall >= 1.0:
+            raise ValidationError(
+                f"max_join_stall must be at least 1, got {self.max_join_stall}", parameter="max_join_stall"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(
                 f"dtype must be auto or one of {', '.join(_DTYPES)}; got {self.dtype!r}", parameter="dtype"

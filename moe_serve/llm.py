@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from moe_serve.config import EngineConfig
 from moe_serve.engine import pooling
 from moe_serve.engine.inputs import GenerationRequest
 from moe_serve.engine.llm_engine import LLMEngine
+from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import ValidationError
 from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
 from moe_serve.registry import resolve_model
@@ -43,6 +45,7 @@ class LLM:
         self.tokenizer = self.artifact.tokenizer
         self.engine = LLMEngine(self.artifact, self.engine_config, device)
         self.inputs = self.engine.inputs
+        self._ids = itertools.count()
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -69,29 +72,41 @@ class LLM:
 
     def run(self, requests: list[GenerationRequest], *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run validated requests (from `self.inputs.generation_request`) to completion, batched together."""
-        sequences = []
+        total = sum(r.params.max_tokens * r.params.n for r in requests)
+        ids = self._run(lambda rid, i: self.engine.add_request(rid, requests[i]), len(requests), total, use_tqdm)
+        return [
+            RequestOutput(
+                request_id=rid,
+                prompt=None,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[_completion(s) for s in seqs],
+                experts_per_token=self.config.reported_k(request.k),
+            )
+            for request, (rid, seqs) in zip(requests, ids, strict=True)
+        ]
+
+    def _run(self, add, count: int, total: int, use_tqdm: bool) -> list[tuple[str, list[Sequence]]]:
+        """Queue `count` requests with add(request_id, i), step the engine until all finish, return them."""
+        added: list[tuple[str, list[Sequence]]] = []
         try:
-            for index, request in enumerate(requests):
-                sequences.append(self.engine.add_request(str(index), request))
-            total = sum(r.params.max_tokens * r.params.n for r in requests)
+            for i in range(count):
+                rid = f"offline-{next(self._ids)}"
+                added.append((rid, add(rid, i)))
             with tqdm(total=total, disable=not use_tqdm, desc="generate", unit="tok") as bar:
                 while self.engine.has_unfinished():
                     bar.update(len(self.engine.step()))
         except BaseException:
-            # Leave the engine clean for the next call, whatever went wrong in this one.
-            for index in range(len(sequences)):
-                self.engine.abort(str(index))
+            for rid, _ in added:  # leave the engine clean for the next call, whatever went wrong in this one
+                self.engine.abort(rid)
             raise
-        return [
-            RequestOutput(
-                request_id=str(index),
-                prompt=None,
-                prompt_token_ids=request.prompt_token_ids,
-                outputs=[_completion(i, s) for i, s in enumerate(seqs)],
-                experts_per_token=self.config.reported_k(request.k),
-            )
-            for index, (request, seqs) in enumerate(zip(requests, sequences, strict=True))
-        ]
+        finally:
+            for rid, _ in added:
+                self.engine.release(rid)
+        for _, seqs in added:
+            for seq in seqs:
+                if seq.error is not None:
+                    raise seq.error
+        return added
 
     # ---- classification and scoring -------------------------------------------------------------
 
@@ -101,8 +116,16 @@ class LLM:
         self.inputs.require_task("sequence_classification", "classify")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
-        token_ids = [self.inputs.encode_text(t, "input") for t in text_list]
-        return pooling.classify(self.engine.runner, token_ids, ks, self.engine_config.max_num_seqs)
+        token_ids = [
+            self.inputs.check_classify_input(self.inputs.encode_text(t, "input"), i) for i, t in enumerate(text_list)
+        ]
+        added = self._run(
+            lambda rid, i: self.engine.add_inputs(rid, [token_ids[i]], ks[i], SequenceKind.CLASSIFY),
+            len(token_ids),
+            0,
+            False,
+        )
+        return [pooling.classification_output(self.config, seqs[0]) for _, seqs in added]
 
     def score(
         self,
@@ -117,9 +140,13 @@ class LLM:
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, len(text_list))
         token_ids = [self.inputs.check_score_input(self.inputs.encode_text(t, "input")) for t in text_list]
-        return pooling.score(
-            self.engine.runner, self.tokenizer, token_ids, ks, self.engine_config.max_num_seqs, return_token_logprobs
+        added = self._run(
+            lambda rid, i: self.engine.add_inputs(rid, [token_ids[i]], ks[i], SequenceKind.SCORE),
+            len(token_ids),
+            0,
+            False,
         )
+        return [pooling.score_output(self.config, self.tokenizer, seqs[0], return_token_logprobs) for _, seqs in added]
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -140,13 +167,14 @@ class LLM:
         return list(prompt)
 
 
-def _completion(index: int, seq: Any) -> CompletionOutput:
+def _completion(seq: Sequence) -> CompletionOutput:
+    wants = seq.params.logprobs is not None
     return CompletionOutput(
-        index=index,
+        index=seq.index,
         text=seq.text,
         token_ids=list(seq.output_token_ids),
         finish_reason=seq.finish_reason,
-        logprobs=list(seq.output_logprobs),
+        logprobs=list(seq.output_logprobs) if wants else None,
         top_logprobs=list(seq.top_logprobs) if seq.params.logprobs else None,
     )
 

@@ -21,7 +21,6 @@ NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
-RouterKind = Literal["topk_softmax", "topk_uniform", "soft_merge"]
 Pooling = Literal["mean", "first", "last"]
 QKNorm = Literal["per_head", "full"]
 RopeType = Literal["linear", "yarn"]
@@ -32,7 +31,6 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 EXPERT_KINDS = ("mlp", "glu", "adapter")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-ROUTER_KINDS = ("topk_softmax", "topk_uniform", "soft_merge")
 POOLINGS = ("mean", "first", "last")
 QK_NORMS = ("per_head", "full")
 ROPE_TYPES = ("linear", "yarn")
@@ -103,13 +101,15 @@ class FFNConfig:
 class RouterConfig:
     """How an MoE layer picks experts and weighs them (DESIGN §3)."""
 
-    kind: RouterKind
+    kind: str  # a registered router kind (moe_serve.layers.routers)
     normalize: bool = True  # topk_softmax: softmax over the chosen (True) or full-softmax mass (False)
     use_bias: bool = False  # router linear bias (HyperRouter's folded b_r)
     input_norm: NormKind | None = None  # soft_merge: norm applied to the pooled input (SMEAR's LN_in)
 
     def __post_init__(self) -> None:
-        _check_choice("router kind", self.kind, ROUTER_KINDS)
+        from moe_serve.layers.routers import router_kinds  # the registry: every kind with a module
+
+        _check_choice("router kind", self.kind, router_kinds())
         if self.input_norm is not None:
             _check_choice("router input_norm", self.input_norm, NORM_KINDS)
 
@@ -165,8 +165,10 @@ class MoEConfig:
         return self.experts_per_token.default
 
     def is_approximate(self, k: int) -> bool:
-        """soft_merge below N merges only the top-k experts: an approximation of SMEAR, flagged in results."""
-        return self.router.kind == "soft_merge" and k < self.num_experts
+        """Whether k is one the router kind does not define exactly (soft_merge below N, say)."""
+        from moe_serve.layers.routers import router_class
+
+        return router_class(self.router.kind).is_approximate(k, self.num_experts)
 
 
 @dataclass(frozen=True, slots=True)

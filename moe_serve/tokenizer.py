@@ -45,6 +45,11 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tokenizer = tokenizer
 
+    @property
+    def hf(self) -> HFTokenizer:
+        """The underlying `tokenizers` object (for its streaming decoder)."""
+        return self._tokenizer
+
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         return cls(HFTokenizer.from_file(str(path)))

@@ -186,7 +186,7 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
     job = prepare_pooling(served.engine.inputs, request)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
-    results = await served.engine.classify(job.token_ids, [job.k] * len(job.token_ids))
+    results = await served.engine.classify(job.token_ids, job.k)
     ctx.metrics.record_pooling(served.name, "classify", job.reported_k, time.monotonic() - start, job.prompt_tokens)
     return responses.classify_response(served.name, job, results)
 
@@ -196,7 +196,7 @@ async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> 
     job = prepare_pooling(served.engine.inputs, request)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
-    results = await served.engine.score(job.token_ids, [job.k] * len(job.token_ids), job.return_token_logprobs)
+    results = await served.engine.score(job.token_ids, job.k, job.return_token_logprobs)
     ctx.metrics.record_pooling(served.name, "score", job.reported_k, time.monotonic() - start, job.prompt_tokens)
     return responses.score_response(served.name, job, results)
 

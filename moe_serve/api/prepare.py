@@ -71,9 +71,8 @@ def prepare_pooling(inputs: InputProcessor, request: p.ClassifyRequest | p.Score
         raise ValidationError("input must not be empty", parameter="input")
     k = inputs.resolve_k(request.experts_per_token)
     token_ids = [inputs.encode_text(text, "input") for text in texts]
-    if is_score:
-        for index, ids in enumerate(token_ids):
-            inputs.check_score_input(ids, index)
+    for index, ids in enumerate(token_ids):
+        (inputs.check_score_input if is_score else inputs.check_classify_input)(ids, index)
     return PoolingJob(
         "score" if is_score else "classify",
         token_ids,

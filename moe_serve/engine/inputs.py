@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_serve.artifact import Artifact
 from moe_serve.errors import ValidationError
 from moe_serve.model_config import ModelConfig
 from moe_serve.sampling_params import SamplingParams, check_int
@@ -19,11 +18,10 @@ class InputProcessor:
     config: ModelConfig
     tokenizer: Tokenizer
     max_model_len: int  # prompt + completion tokens
-    kv_cache_tokens: int  # KV positions all running sequences may hold together
-
-    @classmethod
-    def for_artifact(cls, artifact: Artifact, max_model_len: int, kv_cache_tokens: int) -> InputProcessor:
-        return cls(artifact.name, artifact.config, artifact.tokenizer, max_model_len, kv_cache_tokens)
+    kv_capacity: int  # tokens the whole KV cache holds (its blocks times the block size)
+    kv_budget: int  # the configured budget in tokens, as the user knows it
+    block_size: int  # a sequence holds whole blocks
+    max_step_tokens: int  # tokens in one engine step: a classified input must fit whole
 
     def require_task(self, task: str, what: str) -> None:
         if self.config.task != task:
@@ -88,16 +86,26 @@ class InputProcessor:
                 f"context of {self.max_model_len} tokens",
                 parameter="max_tokens",
             )
-        if need * params.n > self.kv_cache_tokens:
+        if -(-need // self.block_size) * self.block_size * params.n > self.kv_capacity:
             raise ValidationError(
                 f"this request needs {need * params.n} tokens of KV cache (prompt + max_tokens, times n) but the "
-                f"engine's budget is {self.kv_cache_tokens}; it can never run",
+                f"engine's budget is {self.kv_budget}; it can never run (the cache holds {self.kv_capacity} tokens)",
                 parameter="max_tokens",
             )
         return k
 
     def generation_request(self, prompt_token_ids: list[int], params: SamplingParams) -> GenerationRequest:
         return GenerationRequest(list(prompt_token_ids), params, self.check_generation(prompt_token_ids, params))
+
+    def check_classify_input(self, token_ids: list[int], index: int | None = None) -> list[int]:
+        if len(token_ids) > self.max_step_tokens:
+            where = "input" if index is None else f"input[{index}]"
+            raise ValidationError(
+                f"{where} has {len(token_ids)} tokens; a classified input is read whole in one engine step of at "
+                f"most {self.max_step_tokens} tokens (--max-num-batched-tokens)",
+                parameter="input",
+            )
+        return token_ids
 
     def check_score_input(self, token_ids: list[int], index: int | None = None) -> list[int]:
         if len(token_ids) < 2:

@@ -1,53 +1,64 @@
-"""A KV cache with one slot (row) per running sequence, keys at their absolute positions.
-
-Rows are allocated as long as the longest running sequence needs and grow by doubling (up to
-max_len), so memory follows use. Slot bookkeeping is plain Python.
+"""The paged KV cache: per layer, keys and values in fixed-size blocks ([NB, BS, G, Dh] each), plus the
+per-token state of stateful routers, block-aligned with the keys. The pool is sized once, from a memory
+budget in bytes, and never grows: what is allocated is what the budget allows, and no more.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 
 
-class KVCache:
-    def __init__(
-        self, config: ModelConfig, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        assert config.num_kv_heads is not None and config.head_dim is not None
-        self._row_shape = (config.num_kv_heads, config.head_dim)  # [G, Dh]
-        self._num_layers = config.num_layers
-        self._device, self._dtype = device, dtype
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.length = 0
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._free = list(range(num_slots - 1, -1, -1))
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
-    def allocate(self) -> int:
-        return self._free.pop()
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
-    def ensure_length(self, length: int) -> None:
-        """Make every row hold at least `length` positions, keeping what is cached."""
-        if length <= self.length:
-            return
-        new_length = min(max(length, 2 * self.length, 64), self.max_len)
-        g, dh = self._row_shape
-        shape = (self.num_slots, g, new_length, dh)  # [slots, G, positions, Dh]
-        grown = []
-        for i in range(self._num_layers):
-            k = torch.zeros(shape, device=self._device, dtype=self._dtype)
-            v = torch.zeros(shape, device=self._device, dtype=self._dtype)
-            if self.layers:
-                k[:, :, : self.length] = self.layers[i][0]
-                v[:, :, : self.length] = self.layers[i][1]
-            grown.append((k, v))
-        self.layers, self.length = grown, new_length
+def router_state_sizes(config: ModelConfig) -> dict[int, int]:
+    """MoE layer -> floats its router keeps per token (stateful kinds only)."""
+    if config.moe is None:
+        return {}
+    size = router_class(config.moe.router.kind).state_size
+    return {layer: size for layer in config.moe.layers} if size else {}
+
+
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    assert config.num_kv_heads is not None and config.head_dim is not None
+    element = torch.tensor([], dtype=dtype).element_size()
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    return kv + 4 * sum(router_state_sizes(config).values())
+
+
+def cache_shape(config: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int) -> CacheShape:
+    per_block = bytes_per_token(config, dtype) * block_size
+    return CacheShape(budget_bytes // per_block, block_size, per_block)
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, shape: CacheShape, device: torch.device, dtype: torch.dtype) -> None:
+        assert config.num_kv_heads is not None and config.head_dim is not None
+        self.shape = shape
+        rows = (shape.num_blocks, shape.block_size, config.num_kv_heads, config.head_dim)
+        # torch.empty: pages are committed as blocks are first written; nothing reads a slot before that.
+        self.layers = [
+            (torch.empty(rows, device=device, dtype=dtype), torch.empty(rows, device=device, dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
+        self.router_states = {
+            layer: torch.zeros(shape.num_tokens, size, device=device, dtype=torch.float32)
+            for layer, size in router_state_sizes(config).items()
+        }

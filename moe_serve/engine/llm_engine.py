@@ -1,24 +1,32 @@
-"""The step loop: admit waiting sequences into free cache slots, run one forward over every running
-sequence (prompts being prefilled and sequences being decoded share the batch), sample, finish.
+"""The engine: requests in, one step at a time, results out. A step reads as three verbs: the scheduler
+picks (which sequences, how many tokens), the runner runs (one token-packed forward), the engine
+post-processes (sample, detokenize, stop, finish).
 
-Each step reads as three verbs: schedule (admit), run (model + sampler), post-process (stop checks).
+Isolation: anything tied to one sequence (its sampling settings, its stop strings, its inputs) can only
+finish that sequence with an error; the step goes on for the others.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
 
 import torch
 
 from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine.block_manager import BlockManager
+from moe_serve.engine.detokenizer import IncrementalDetokenizer
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
-from moe_serve.engine.kv_cache import KVCache
-from moe_serve.engine.model_runner import ModelRunner
+from moe_serve.engine.kv_cache import bytes_per_token, cache_shape
+from moe_serve.engine.model_runner import Runner, StepResult, TorchRunner
 from moe_serve.engine.sampler import sample
-from moe_serve.engine.sequence import Sequence, SequenceStatus
+from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.errors import ValidationError
+from moe_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -28,15 +36,32 @@ class LLMEngine:
         self.tokenizer = artifact.tokenizer
         self.config = config
         self.device = device
-        self.runner = ModelRunner(artifact.model, device)
         positions = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
-        self.kv_cache_tokens = config.kv_cache_tokens or config.max_num_seqs * self.max_model_len
-        self.cache = KVCache(self.model_config, config.max_num_seqs, self.max_model_len, device, self.runner_dtype)
-        self.inputs = InputProcessor.for_artifact(artifact, self.max_model_len, self.kv_cache_tokens)
+        dtype = artifact.model.embed_tokens.weight.dtype
+        budget = config.kv_cache_memory
+        if config.kv_cache_tokens is not None:
+            budget = min(budget, config.kv_cache_tokens * bytes_per_token(self.model_config, dtype))
+        shape = cache_shape(self.model_config, dtype, budget, config.block_size)
+        self.runner: Runner = TorchRunner(artifact.model, device, shape, dtype)
+        self.cache_shape = shape
+        self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_join_stall)
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
+        kv_budget = config.kv_cache_tokens or budget // bytes_per_token(self.model_config, dtype)
+        self.inputs = InputProcessor(
+            artifact.name,
+            self.model_config,
+            self.tokenizer,
+            self.max_model_len,
+            shape.num_tokens,
+            kv_budget,
+            config.block_size,
+            config.max_num_batched_tokens,
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.requests: dict[str, list[Sequence]] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -48,7 +73,6 @@ class LLMEngine:
             raise ValidationError(
                 "request does not fit this engine's context; validate it with engine.inputs", parameter="prompt"
             )
-        now = time.monotonic()
         seqs = []
         for index in range(params.n):
             generator = None
@@ -58,95 +82,149 @@ class LLMEngine:
                     generator.seed()
                 else:
                     generator.manual_seed(params.seed + index)
-            seq = Sequence(request_id, list(request.prompt_token_ids), params, request.k, generator, arrival_time=now)
-            self.waiting.append(seq)
+            seq = self._new(request_id, index, request.prompt_token_ids, request.k, SequenceKind.GENERATE, params)
+            seq.generator = generator
+            self._detokenizers[id(seq)] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
             seqs.append(seq)
+        return self._queue(request_id, seqs)
+
+    def add_inputs(self, request_id: str, token_ids: list[list[int]], k: int, kind: SequenceKind) -> list[Sequence]:
+        """Queue inputs to score (log-likelihood of each token) or classify, all at one k."""
+        seqs = [self._new(request_id, i, ids, k, kind, SamplingParams(max_tokens=1)) for i, ids in enumerate(token_ids)]
+        return self._queue(request_id, seqs)
+
+    def _new(
+        self, request_id: str, index: int, token_ids: list[int], k: int, kind: SequenceKind, params: SamplingParams
+    ) -> Sequence:
+        seq = Sequence(request_id, index, list(token_ids), len(token_ids), k, kind, params)
+        seq.arrival_time = time.monotonic()
+        return seq
+
+    def _queue(self, request_id: str, seqs: list[Sequence]) -> list[Sequence]:
+        if request_id in self.requests:
+            raise ValidationError(f"request id {request_id!r} is already running", parameter="request_id")
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
         return seqs
 
     def abort(self, request_id: str) -> None:
-        for seq in [s for s in self.waiting if s.request_id == request_id]:
-            self.waiting.remove(seq)
-            self._finish(seq, "abort")
-        for seq in [s for s in self.running if s.request_id == request_id]:
-            self._finish(seq, "abort")
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its sequences stay with whoever holds them)."""
+        self.requests.pop(request_id, None)
 
     # ---- the step -------------------------------------------------------------------------------
 
     @property
-    def runner_dtype(self) -> torch.dtype:
-        return self.artifact.model.embed_tokens.weight.dtype
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     @property
-    def num_reserved_tokens(self) -> int:
-        """KV positions promised to running sequences (prompt + max_tokens each)."""
-        return sum(len(s.prompt_token_ids) + s.params.max_tokens for s in self.running)
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV-cache blocks held by sequences."""
+        return self.blocks.num_used_blocks / max(self.blocks.num_blocks, 1)
 
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that got a token (finished ones have status FINISHED)."""
-        # Admission: first come, first served, while a slot and the token budget allow.
-        reserved = self.num_reserved_tokens
-        now = time.monotonic()
-        while self.waiting and self.cache.num_free_slots:
-            need = len(self.waiting[0].prompt_token_ids) + self.waiting[0].params.max_tokens
-            if reserved + need > self.kv_cache_tokens:
-                break
-            seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate()
-            seq.status = SequenceStatus.RUNNING
-            seq.first_scheduled_time = now
-            self.running.append(seq)
-            reserved += need
-        if not self.running:
+        """Run one step; returns the sequences that changed (a token, a result, or finished)."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
             return []
-
-        batch = list(self.running)
-        new_tokens = [s.uncached_token_ids for s in batch]
-        with torch.inference_mode():
-            hidden, token_mask = self.runner.forward(
-                new_tokens,
-                [s.experts_per_token for s in batch],
-                start_positions=[s.num_cached_tokens for s in batch],
-                slots=[s.slot for s in batch],  # type: ignore[misc]  # running sequences hold a slot
-                cache=self.cache,
-            )
-            logits = self.runner.last_token_logits(hidden, token_mask)
-            token_ids, logprobs, top_logprobs = sample(logits, batch)
-
+        started = time.monotonic()
+        for item in output.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = started
+        result, failed = self._execute(output)
+        self.scheduler.update(output)
+        changed = [self._fail(item.seq, exc) for item, exc in failed]
+        samples = [output.scheduled[i].seq for i in result.sample_items]
+        sampled = sample(result.logits, samples) if samples else None  # type: ignore[arg-type]
         now = time.monotonic()
-        for seq, tokens, token, logprob, tops in zip(batch, new_tokens, token_ids, logprobs, top_logprobs, strict=True):
-            seq.token_times.append(now)
-            seq.num_cached_tokens += len(tokens)
-            seq.output_token_ids.append(token)
-            seq.output_logprobs.append(logprob)
-            seq.top_logprobs.append(tops)
-            self._check_finished(seq)
-        return batch
+        for position, i in enumerate(result.sample_items):
+            seq = output.scheduled[i].seq
+            if sampled.errors.get(position) is not None:  # type: ignore[union-attr]
+                changed.append(self._fail(seq, sampled.errors[position]))  # type: ignore[union-attr]
+                continue
+            self._append(seq, sampled.token_ids[position], sampled, position, now)  # type: ignore[union-attr,arg-type]
+            changed.append(seq)
+        for i, values in result.prompt_logprobs.items():
+            seq = output.scheduled[i].seq
+            seq.prompt_logprobs += values
+            if seq.num_computed_tokens == seq.num_tokens:
+                self._finish(seq, "stop")
+                changed.append(seq)
+        for i, probs in result.class_probs.items():
+            seq = output.scheduled[i].seq
+            seq.class_probs = probs
+            self._finish(seq, "stop")
+            changed.append(seq)
+        self.scheduler.costs.observe(output, time.monotonic() - started)
+        return changed
 
-    def _check_finished(self, seq: Sequence) -> None:
+    def _execute(self, output: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledSequence, BaseException]]]:
+        """Run the step; if it fails, run each sequence alone so that only the ones that fail alone fail."""
+        try:
+            return self.runner.execute(output), []
+        except Exception:
+            logger.exception("a step of %d sequences failed; running them one at a time", len(output.scheduled))
+        merged, failed = StepResult(), []
+        logits = []
+        for i, item in enumerate(output.scheduled):
+            try:
+                alone = self.runner.execute(SchedulerOutput([item]))
+            except Exception as exc:
+                failed.append((item, exc))
+                continue
+            if alone.sample_items:
+                merged.sample_items.append(i)
+                logits.append(alone.logits)
+            if alone.prompt_logprobs:
+                merged.prompt_logprobs[i] = alone.prompt_logprobs[0]
+            if alone.class_probs:
+                merged.class_probs[i] = alone.class_probs[0]
+        merged.logits = torch.cat(logits) if logits else None
+        return merged, failed
+
+    def _append(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
+        seq.token_times.append(now)
         params = seq.params
-        if seq.output_token_ids[-1] in self.eos_token_ids and not params.ignore_eos:
-            seq.output_token_ids.pop()
-            seq.output_logprobs.pop()
-            seq.top_logprobs.pop()
-            seq.text = self.tokenizer.decode(seq.output_token_ids)
+        if token in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop")
             return
-        seq.text = self.tokenizer.decode(seq.output_token_ids)
-        cut = min((i for i in (seq.text.find(s) for s in params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            seq.text = seq.text[:cut]
+        seq.token_ids.append(token)
+        if params.logprobs is not None:
+            seq.output_logprobs.append(sampled.logprobs[row])
+            seq.top_logprobs.append(sampled.top_logprobs[row])
+        detokenizer = self._detokenizers[id(seq)]
+        stop = detokenizer.add(token)
+        seq.text = detokenizer.text
+        if stop is not None:
             self._finish(seq, "stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq.slot is not None:
-            self.cache.free(seq.slot)
-            seq.slot = None
+    def stable_text_length(self, seq: Sequence) -> int:
+        """How much of a running sequence's text can be streamed: no later token can change it."""
+        if seq.is_finished:
+            return len(seq.text)
+        return self._detokenizers[id(seq)].stable_text_length()
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> Sequence:
+        logger.warning("sequence %s/%d failed: %s", seq.request_id, seq.index, exc)
+        self._finish(seq, "error", exc)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        self.scheduler.finish(seq, reason, error)
+        self._detokenizers.pop(id(seq), None)
+        assert seq.status is SequenceStatus.FINISHED

@@ -1,63 +1,171 @@
-"""Turns lists of token ids into padded tensors and a BatchLayout, and runs the model.
+"""The runner: the scheduler's decision for a step -> one token-packed forward -> what the step produced
+(next-token logits, prompt log-likelihoods, class probabilities). `Runner` is the interface an engine
+drives; `TorchRunner` runs the PyTorch model (an onnxruntime or vLLM backend implements the same).
 
-Legend: B sequences, L longest new-token run in the batch, D hidden.
+Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary, D hidden.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Protocol
+
 import torch
 
-from moe_serve.engine.kv_cache import KVCache
-from moe_serve.layers.attention import BatchLayout
+from moe_serve.engine.kv_cache import CacheShape, KVCache
+from moe_serve.engine.scheduler import SchedulerOutput
+from moe_serve.engine.sequence import SequenceKind
+from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.layers.batch import ForwardBatch
 from moe_serve.models import MoETransformer
 
 
-class ModelRunner:
-    def __init__(self, model: MoETransformer, device: torch.device) -> None:
+@dataclass(slots=True)
+class StepResult:
+    """Per scheduled item (by its index in SchedulerOutput.scheduled)."""
+
+    sample_items: list[int] = field(default_factory=list)  # items whose sequence needs a next token
+    logits: torch.Tensor | None = None  # [len(sample_items), V] fp32, in that order
+    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)  # SCORE: log p of the chunk's next tokens
+    class_probs: dict[int, list[float]] = field(default_factory=dict)  # CLASSIFY
+
+
+class Runner(Protocol):
+    def execute(self, output: SchedulerOutput) -> StepResult: ...
+
+
+class TorchRunner:
+    def __init__(
+        self, model: MoETransformer, device: torch.device, cache_shape: CacheShape, dtype: torch.dtype
+    ) -> None:
         self.model = model
-        self.device = device
         self.config = model.config
+        self.device = device
+        self.cache = KVCache(model.config, cache_shape, device, dtype) if model.config.is_causal else None
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        hidden, lens = self.forward(output)
+        return self._results(output, hidden, lens)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: list[list[int]],  # new tokens of each sequence
-        experts_per_token: list[int],  # k of each sequence (ignored by a dense model)
-        *,
-        start_positions: list[int] | None = None,  # tokens already cached per sequence
-        slots: list[int] | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> hidden states [B, L, D] and the token mask [B, L] (True for real tokens)."""
-        b, l = len(token_ids), max(len(t) for t in token_ids)
-        lengths = torch.tensor([len(t) for t in token_ids])
-        ids = torch.zeros(b, l, dtype=torch.long)
-        for row, tokens in enumerate(token_ids):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-        token_mask = torch.arange(l)[None, :] < lengths[:, None]  # [B, L]
-        start = torch.tensor(start_positions or [0] * b)
-        positions = (start[:, None] + torch.arange(l)[None, :]) * token_mask  # [B, L]
-        layout_kwargs = {}
-        if cache is not None:
-            assert slots is not None
-            context_lens = start + lengths
-            cache.ensure_length(int(context_lens.max()))
-            layout_kwargs = dict(
-                slot_ids=torch.tensor(slots, device=self.device),
-                context_lens=context_lens.to(self.device),
-                max_context_len=int(context_lens.max()),
-                first_slot=slots[0] if slots == list(range(slots[0], slots[0] + b)) else None,
-            )
-        layout = BatchLayout(
-            positions=positions.to(self.device), token_mask=token_mask.to(self.device), **layout_kwargs
+    def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The step's tokens through the model: hidden states [T, D] and the tokens of each sequence."""
+        items = output.scheduled
+        uses_cache = items[0].seq.uses_kv_cache
+        assert all(item.seq.uses_kv_cache == uses_cache for item in items), (
+            "a step never mixes cached and encoder inputs"
         )
-        top_k = torch.tensor(experts_per_token, device=self.device)
-        hidden = self.model(
-            ids.to(self.device), layout, top_k, max(experts_per_token), None if cache is None else cache.layers
+        token_ids, positions, seq_ids, slots, ks = [], [], [], [], []
+        block_size = self.cache.shape.block_size if self.cache is not None else 0
+        for s, item in enumerate(items):
+            seq = item.seq
+            token_ids += seq.token_ids[item.start : item.end]
+            positions += range(item.start, item.end)
+            seq_ids += [s] * item.num_tokens
+            ks += [seq.k] * item.num_tokens
+            if uses_cache:
+                table = seq.block_table
+                slots += [table[p // block_size] * block_size + p % block_size for p in range(item.start, item.end)]
+        lens = tuple(item.num_tokens for item in items)
+        num_keys = tuple(item.end if uses_cache else item.num_tokens for item in items)
+        batch = self._batch(
+            token_ids,
+            positions,
+            seq_ids,
+            ks,
+            lens,
+            num_keys,
+            [item.seq.block_table for item in items] if uses_cache else None,
+            slots,
         )
-        return hidden, layout.token_mask
+        return self.model(torch.tensor(token_ids, device=self.device), batch), lens  # [T, D]
 
-    def last_token_logits(self, hidden: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-        """[B, L, D] -> logits of each sequence's last real token [B, V]."""
-        last = token_mask.long().sum(1) - 1
-        return self.model.lm_logits(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+    def _batch(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        seq_ids: list[int],
+        ks: list[int],
+        lens: tuple[int, ...],
+        num_keys: tuple[int, ...],
+        block_tables: list[list[int]] | None,
+        slots: list[int],
+    ) -> ForwardBatch:
+        device = self.device
+        starts, offset = [], 0
+        for n in lens:
+            starts.append(offset)
+            offset += n
+        tables = slot_mapping = None
+        if block_tables is not None:
+            width = max(len(t) for t in block_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32, device=device)
+            slot_mapping = torch.tensor(slots, device=device)
+        attention = AttentionBatch(
+            seq_ids=torch.tensor(seq_ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            num_keys=torch.tensor(num_keys, device=device),
+            seq_starts=torch.tensor(starts, device=device),
+            seq_lens=lens,
+            num_keys_host=num_keys,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
+        )
+        caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
+        states = self.cache.router_states if caches is not None else None
+        return ForwardBatch(attention, torch.tensor(ks, device=device), max(ks), caches, states)
+
+    @torch.inference_mode()
+    def _results(self, output: SchedulerOutput, hidden: torch.Tensor, lens: tuple[int, ...]) -> StepResult:
+        result = StepResult()
+        rows, start = [], 0
+        classify = [i for i, item in enumerate(output.scheduled) if item.seq.kind is SequenceKind.CLASSIFY]
+        if classify:
+            probs = torch.softmax(self.model.class_logits(hidden, lens), dim=-1).tolist()
+            result.class_probs = dict(zip(classify, probs, strict=True))
+            return result
+        for i, item in enumerate(output.scheduled):
+            seq = item.seq
+            if seq.kind is SequenceKind.SCORE:
+                result.prompt_logprobs[i] = self._chunk_logprobs(hidden[start : start + item.num_tokens], item)
+            elif item.completes_prompt:
+                result.sample_items.append(i)
+                rows.append(start + item.num_tokens - 1)
+            start += item.num_tokens
+        if rows:
+            last = hidden[torch.tensor(rows, device=hidden.device)]  # [R, D]
+            result.logits = self.model.lm_logits(last)  # [R, V] fp32
+        return result
+
+    def _chunk_logprobs(self, hidden: torch.Tensor, item) -> list[float]:
+        """log p(token_{i+1} | tokens_<=i) for the chunk's positions i that have a next prompt token."""
+        seq = item.seq
+        targets = seq.token_ids[item.start + 1 : item.end + 1]  # the last chunk's last position predicts nothing
+        if not targets:
+            return []
+        logprobs = torch.log_softmax(self.model.lm_logits(hidden[: len(targets)]), dim=-1)  # [n, V]
+        index = torch.tensor(targets, device=hidden.device)[:, None]
+        return logprobs.gather(1, index)[:, 0].tolist()
+
+    # ---- whole sequences without a cache (tests, fold proofs, classify outside the engine) ---------
+
+    @torch.inference_mode()
+    def forward_sequences(self, token_ids: list[list[int]], ks: list[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Each sequence whole, packed, no cache -> (hidden [T, D], lengths)."""
+        lens = tuple(len(t) for t in token_ids)
+        flat = [t for seq in token_ids for t in seq]
+        positions = [p for n in lens for p in range(n)]
+        seq_ids = [s for s, n in enumerate(lens) for _ in range(n)]
+        per_token_k = [k for k, n in zip(ks, lens, strict=True) for _ in range(n)]
+        batch = self._batch(flat, positions, seq_ids, per_token_k, lens, lens, None, [])
+        return self.model(torch.tensor(flat, device=self.device), batch), lens
+
+    def forward_padded(self, token_ids: list[list[int]], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_sequences laid out as [B, L, D] with a token mask [B, L] (for comparisons in tests)."""
+        hidden, lens = self.forward_sequences(token_ids, ks)
+        padded = hidden.new_zeros(len(lens), max(lens), hidden.shape[-1])
+        mask = torch.zeros(len(lens), max(lens), dtype=torch.bool, device=hidden.device)
+        for b, part in enumerate(hidden.split(lens)):
+            padded[b, : len(part)] = part
+            mask[b, : len(part)] = True
+        return padded, mask

@@ -1,54 +1,89 @@
 """Token sampling for a batch of rows, each with its own settings and random stream.
 
-Legend: B rows, V vocabulary. A seeded row draws its noise from its own torch.Generator, so its text
-depends only on its seed, never on what it is batched with.
+Legend: R rows, V vocabulary. A seeded row draws its noise from its own torch.Generator, so its text
+depends only on its seed, never on what it is batched with. Greedy rows are one argmax; log-probabilities
+are computed only for rows that asked for them. A row whose settings cannot be sampled fails alone: the
+others are sampled as if it were not there.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from moe_serve.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float], list[dict[int, float]]]:
-    """logits [B, V] fp32 -> chosen token ids, their log-probabilities (of the unfiltered distribution),
-    and the top-n alternatives for rows that asked for logprobs."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+@dataclass(slots=True)
+class Sampled:
+    token_ids: list[int | None]  # None: this row failed (see errors)
+    logprobs: list[float | None]  # of the chosen token, for rows that asked for logprobs
+    top_logprobs: list[dict[int, float]]
+    errors: dict[int, BaseException] = field(default_factory=dict)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """logits [R, V] fp32 -> one token per row (and its log-probability where asked for)."""
+    try:
+        chosen = _choose(logits, seqs)
+        errors: dict[int, BaseException] = {}
+    except Exception:  # one row's settings (an absurd top_k, say): sample row by row to find it
+        chosen, errors = _choose_rows_apart(logits, seqs)
+    token_ids: list[int | None] = chosen.tolist()
+    for row in errors:
+        token_ids[row] = None
+    out = Sampled(token_ids, [None] * len(seqs), [{} for _ in seqs], errors)
+    wanted = [r for r, s in enumerate(seqs) if s.params.logprobs is not None and r not in errors]
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)  # [W, V]
+        picked = logprobs.gather(1, chosen[rows][:, None])[:, 0].tolist()
+        most = max(seqs[r].params.logprobs or 0 for r in wanted)
+        values, ids = logprobs.topk(most, dim=-1) if most else (None, None)
+        for i, row in enumerate(wanted):
+            out.logprobs[row] = picked[i]
+            n = seqs[row].params.logprobs or 0
+            if n:
+                out.top_logprobs[row] = dict(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))  # type: ignore[index]
+    return out
+
+
+def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    chosen = logits.argmax(dim=-1)  # [R] greedy rows keep this
+    sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
+    if not sampled:
+        return chosen
     device = logits.device
-    temperature = torch.tensor([s.params.temperature for s in seqs], device=device)  # [B]
-    top_k = torch.tensor([s.params.top_k for s in seqs], device=device)  # [B]
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)  # [B]
-    is_greedy = temperature == 0
+    rows = torch.tensor(sampled, device=device)
+    params = [seqs[r].params for r in sampled]
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # [S]
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    scaled = logits[rows] / temperature.clamp(min=1e-5)[:, None]
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [S, V]
+    rank = torch.arange(logits.shape[-1], device=device)[None, :]
+    sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Nucleus: drop a token once the mass before it already exceeds top_p (the first always stays).
+    drop = (torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    noise = torch.stack([_exponential(logits.shape[-1], seqs[r].generator, device) for r in sampled])  # [S, V]
+    # argmax(p / Exp(1)) draws from p (the exponential-race form of Gumbel-max), one noise vector per row.
+    pick = (probs / noise.gather(1, sorted_ids)).argmax(dim=-1)
+    chosen[rows] = sorted_ids.gather(1, pick[:, None])[:, 0]
+    return chosen
 
-    chosen = logits.argmax(dim=-1)  # [B] greedy rows keep this
-    if not bool(is_greedy.all()):
-        scaled = logits / temperature.clamp(min=1e-5)[:, None]
-        sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V]
-        rank = torch.arange(logits.shape[-1], device=device)[None, :]
-        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Nucleus: drop a token once the mass before it already exceeds top_p (the first always stays).
-        drop = (torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        noise = torch.stack([_exponential(logits.shape[-1], s.generator, device) for s in seqs])  # [B, V]
-        # argmax(p / Exp(1)) draws from p (the exponential-race form of Gumbel-max), one noise vector per row.
-        pick = (probs / noise.gather(1, sorted_ids)).argmax(dim=-1)  # [B]
-        sampled = sorted_ids.gather(1, pick[:, None])[:, 0]
-        chosen = torch.where(is_greedy, chosen, sampled)
 
-    token_ids = chosen.tolist()
-    token_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-    tops: list[dict[int, float]] = []
-    max_n = max((s.params.logprobs or 0) for s in seqs)
-    if max_n:
-        values, ids = logprobs.topk(max_n, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+def _choose_rows_apart(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    chosen = logits.argmax(dim=-1)
+    errors: dict[int, BaseException] = {}
     for row, seq in enumerate(seqs):
-        n = seq.params.logprobs or 0
-        tops.append({ids[row][j]: values[row][j] for j in range(n)} if n else {})
-    return token_ids, token_logprobs, tops
+        try:
+            chosen[row] = _choose(logits[row : row + 1], [seq])[0]
+        except Exception as exc:
+            errors[row] = exc
+    return chosen, errors
 
 
 def _exponential(size: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

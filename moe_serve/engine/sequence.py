@@ -1,4 +1,9 @@
-"""Per-sequence state: WAITING -> RUNNING -> FINISHED, token lists and counters."""
+"""Per-sequence state: WAITING -> RUNNING -> FINISHED (RUNNING -> WAITING again when preempted).
+
+A sequence is one completion of a request (n sequences for n completions), a prompt to score, or an input
+to classify. The scheduler only compares `num_computed_tokens` with `num_tokens`: that one rule covers a
+prompt's prefill (in chunks), a prefix-cache hit, decoding, and recomputation after preemption.
+"""
 
 from __future__ import annotations
 
@@ -16,35 +21,71 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+class SequenceKind(Enum):
+    GENERATE = "generate"  # sample tokens after the prompt
+    SCORE = "score"  # log-likelihood of the prompt's tokens; nothing is generated
+    CLASSIFY = "classify"  # class probabilities of the whole input in one step (bidirectional; no KV cache)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    experts_per_token: int
+    index: int  # which completion of its request
+    token_ids: list[int]  # the prompt, then the generated tokens
+    num_prompt_tokens: int
+    k: int  # experts per token
+    kind: SequenceKind = SequenceKind.GENERATE
+    params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks in block_table, in order
+    # Results.
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    prompt_logprobs: list[float] = field(default_factory=list)  # SCORE: log p(token_i | tokens_<i), i >= 1
+    class_probs: list[float] | None = None  # CLASSIFY
     text: str = ""
-    slot: int | None = None
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0  # time.monotonic() values, for latency metrics
+    finish_reason: str | None = None  # stop, length, abort, error
+    error: BaseException | None = None  # why it finished with finish_reason "error"
+    # Times (time.monotonic()), for latency metrics.
+    arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
-    def uncached_token_ids(self) -> list[int]:
-        """Tokens whose keys and values are not in the cache yet: the prompt, then the last token."""
-        all_ids = self.prompt_token_ids + self.output_token_ids
-        return all_ids[self.num_cached_tokens :]
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def cache_salt(self) -> int:
+        """What else than the tokens the cached keys and values depend on: the request's k."""
+        return hash(("k", self.k))
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Logits at every prompt position (scoring, prompt logprobs): no prefix-cache shortcut then."""
+        return self.kind is SequenceKind.SCORE
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.kind is not SequenceKind.CLASSIFY

@@ -1,45 +1,24 @@
-"""Multi-head attention for every position kind, reading an explicit BatchLayout (no global context).
+"""Multi-head attention for every position kind over a token-packed batch (no padding between sequences).
 
-Legend: B sequences, L query tokens per sequence (right-padded), S key positions, H query heads,
-G key/value heads, Dh head dim, D hidden size.
+Legend: T tokens of the step (all sequences, packed), H query heads, G key/value heads, Dh head dim,
+D hidden size, R relative distances.
 
-With a KV cache, keys live at their absolute positions in the sequence's cache slot, so prefill,
-chunked prefill and decode all read the same way. Transformer-XL relative attention is served from the
-same cache: its positional term only needs the distance between query and key positions.
+With a KV cache, a token's keys and values are written to its slot in the paged cache and each query reads
+its own sequence's blocks, so prefill, chunked prefill, a prefix-cache hit and decode are one code path.
+Transformer-XL relative attention is served from the same cache: its positional term only needs the
+distance between query and key positions (a table of every distance, computed once).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from moe_serve.kernels import ops
+from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import apply_rotary, rotary_cos_sin, sinusoid_relative
 from moe_serve.model_config import ModelConfig
-
-
-@dataclass(frozen=True, slots=True)
-class BatchLayout:
-    """Where each token of a padded batch sits.
-
-    positions:       [B, L] absolute position of each query token in its sequence
-    token_mask:      [B, L] True for real tokens, False for padding
-    slot_ids:        [B] KV-cache rows of the sequences (None: no cache, keys are the batch's own tokens)
-    context_lens:    [B] number of cached positions valid after this step (cache only)
-    max_context_len: host int, max(context_lens) (cache only), so no device sync is needed to slice
-    first_slot:      host int when slot_ids are consecutive (first_slot, first_slot + 1, ...): the cache
-                     is then read as a view instead of gathered
-    """
-
-    positions: torch.Tensor
-    token_mask: torch.Tensor
-    slot_ids: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    max_context_len: int = 0
-    first_slot: int | None = None
 
 
 class Attention(nn.Module):
@@ -50,8 +29,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, dh
         self.is_causal = config.is_causal
         self.position = config.position
-        self.rope_theta = config.rope_theta
-        self.rope_scaling = config.rope_scaling
+        self.config = config
         self.qkv_clip = config.qkv_clip
         self.scale = dh**-0.5
         self.q_proj = nn.Linear(d, h * dh, bias=config.attention_bias)
@@ -70,92 +48,71 @@ class Attention(nn.Module):
             self.r_w_bias = nn.Parameter(torch.zeros(h, dh))
             self.r_r_bias = nn.Parameter(torch.zeros(h, dh))
         self.hidden_size = d
+        # Computed by prepare() after the weights are loaded.
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, Dh]
+        self._r_k: torch.Tensor | None = None  # [R, H, Dh]
+        self._r_offset = 0
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, L, D]
-        layout: BatchLayout,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,  # each [slots, G, max_len, Dh]
-    ) -> torch.Tensor:
-        b, l, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, H*Dh], [B, L, G*Dh] x2
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """One fused q/k/v projection, and the position tables for every position the context allows."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = _fuse([p.weight for p in projections])
+        bias = _fuse([p.bias for p in projections]) if self.q_proj.bias is not None else None
+        # The three projections become views of the fused tensors: one copy of the weights in memory.
+        for parts, fused in ((projections, weight), (projections, bias)):
+            if fused is None:
+                continue
+            start = 0
+            for p in parts:
+                name = "weight" if fused is weight else "bias"
+                size = getattr(p, name).shape[0]
+                setattr(p, name, nn.Parameter(fused[start : start + size], requires_grad=False))
+                start += size
+        self._qkv = (weight, bias)
+        device, max_len = weight.device, self.config.max_position_embeddings
+        if self.position == "rotary":
+            self._rotary = rotary_cos_sin(
+                torch.arange(max_len, device=device), self.head_dim, self.config.rope_theta, self.config.rope_scaling
+            )
+        elif self.position == "relative":
+            low = 0 if self.is_causal else -(max_len - 1)
+            distances = torch.arange(low, max_len, device=device)  # [R]
+            r = sinusoid_relative(distances, self.hidden_size).to(weight.dtype)  # [R, D]
+            self._r_k = self.r_proj(r).view(-1, self.num_heads, self.head_dim)  # [R, H, Dh]
+            self._r_offset = -low
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """x [T, D] -> [T, D]; this step's keys and values go into the layer's cache when there is one."""
+        if self._qkv is None:
+            self.prepare()
+        t = x.shape[0]
+        h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = ops.linear(x, *self._qkv)  # type: ignore[misc]  # [T, (H + 2G) Dh]
+        q, k, v = qkv.split([h * dh, g * dh, g * dh], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qkv_clip is not None:
-            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
-        q = q.view(b, l, self.num_heads, self.head_dim)  # [B, L, H, Dh]
-        k = k.view(b, l, self.num_kv_heads, self.head_dim)  # [B, L, G, Dh]
+            q, k, v = (y.clamp(-self.qkv_clip, self.qkv_clip) for y in (q, k, v))
+        q, k, v = q.reshape(t, h, dh), k.reshape(t, g, dh), v.reshape(t, g, dh)  # [T, H|G, Dh]
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, L, Dh], [B, G, L, Dh]
-        v = v.view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, L, Dh]
-        if self.position == "rotary":
-            cos, sin = rotary_cos_sin(layout.positions, self.head_dim, self.rope_theta, self.rope_scaling)
+        positions = batch.attention.positions
+        if self._rotary is not None:
+            cos, sin = self._rotary[0][positions], self._rotary[1][positions]  # [T, Dh]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        if kv_cache is None:
-            key_positions = layout.positions  # [B, S=L]
-            key_valid = layout.token_mask
-        else:
-            k, v = self._write_and_read_cache(k, v, layout, kv_cache)
-            s = layout.max_context_len
-            key_positions = torch.arange(s, device=x.device).expand(b, s)
-            key_valid = key_positions < layout.context_lens[:, None]  # type: ignore[index]
+        cache = None if batch.kv_caches is None else batch.kv_caches[layer]
+        if cache is not None:
+            ops.write_kv(cache, batch.attention.slot_mapping, k, v)  # type: ignore[arg-type]
+        relative = None
+        if self._r_k is not None:
+            relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_offset)
+            q = q + self.r_w_bias.to(q.dtype)
+        out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
+        return ops.linear(out.reshape(t, h * dh), self.o_proj.weight, self.o_proj.bias)
 
-        allowed = key_valid[:, None, :]  # [B, 1, S]
-        if self.is_causal:
-            allowed = allowed & (key_positions[:, None, :] <= layout.positions[:, :, None])  # [B, L, S]
-        # Padding query rows attend everywhere: their output is discarded, and a fully masked row gives NaN.
-        allowed = allowed | ~layout.token_mask[:, :, None]
-        allowed = allowed[:, None]  # [B, 1, L, S]
 
-        if self.position == "relative":
-            bias = self._relative_bias(q, layout.positions, key_positions)  # [B, H, L, S]
-            attn_bias = bias.masked_fill(~allowed, float("-inf"))
-            q = q + self.r_w_bias[None, :, None, :].to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
-            )
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(b, l, self.num_heads * self.head_dim)  # [B, L, H*Dh]
-        return self.o_proj(out)
-
-    def _write_and_read_cache(
-        self,
-        k: torch.Tensor,  # [B, G, L, Dh]
-        v: torch.Tensor,
-        layout: BatchLayout,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        k_cache, v_cache = kv_cache
-        assert layout.slot_ids is not None
-        mask = layout.token_mask
-        slots = layout.slot_ids[:, None].expand_as(mask)[mask]  # [T]
-        positions = layout.positions[mask]  # [T]
-        k_cache[slots, :, positions] = k.transpose(1, 2)[mask]  # [T, G, Dh]
-        v_cache[slots, :, positions] = v.transpose(1, 2)[mask]
-        s = layout.max_context_len
-        if layout.first_slot is not None:  # consecutive slots: a view, no copy of the cache
-            rows = slice(layout.first_slot, layout.first_slot + len(layout.slot_ids))
-            return k_cache[rows, :, :s], v_cache[rows, :, :s]  # [B, G, S, Dh]
-        return k_cache[layout.slot_ids, :, :s], v_cache[layout.slot_ids, :, :s]
-
-    def _relative_bias(
-        self,
-        q: torch.Tensor,  # [B, H, L, Dh]
-        query_positions: torch.Tensor,  # [B, L]
-        key_positions: torch.Tensor,  # [B, S]
-    ) -> torch.Tensor:
-        """Transformer-XL positional term (q + v_bias) . W_r R[i - j], scaled like the content term."""
-        s = key_positions.shape[1]
-        max_distance = max(s, int(query_positions.shape[1])) - 1
-        low = 0 if self.is_causal else -max_distance
-        distances = torch.arange(low, max_distance + 1, device=q.device)  # [R]
-        r = sinusoid_relative(distances, self.hidden_size).to(q.dtype)  # [R, D]
-        r_k = self.r_proj(r).view(-1, self.num_heads, self.head_dim)  # [R, H, Dh]
-        q_r = q + self.r_r_bias[None, :, None, :].to(q.dtype)
-        scores = torch.einsum("bhld,rhd->bhlr", q_r, r_k)  # [B, H, L, R]
-        index = query_positions[:, :, None] - key_positions[:, None, :] - low  # [B, L, S]
-        index = index.clamp(0, len(distances) - 1)[:, None].expand(-1, self.num_heads, -1, -1)
-        return torch.gather(scores, -1, index).float() * self.scale  # [B, H, L, S]
+def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach() for t in tensors])

@@ -1,7 +1,7 @@
 """Feed-forward networks: a dense FFN and a stacked bank of experts, in the three kinds of FFNConfig.
 
-Legend: T tokens, S token-expert slots, E experts, B sequences, L tokens per sequence,
-D hidden size, I intermediate (or bottleneck) size.
+Legend: T tokens, K slots per token, E experts, L tokens of one sequence, D hidden size, I intermediate
+(or bottleneck) size.
 
 One function, `apply_ffn`, spells out each kind's math once; the callers differ only in how one named
 linear map is applied (plain, grouped by expert, or with per-sequence merged weights).
@@ -13,18 +13,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from moe_serve.kernels import ops
 from moe_serve.model_config import FFNConfig
 
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
 
 
 def linear_shapes(config: FFNConfig, hidden_size: int) -> dict[str, tuple[int, int, bool]]:
@@ -39,7 +32,7 @@ def linear_shapes(config: FFNConfig, hidden_size: int) -> dict[str, tuple[int, i
 
 
 def apply_ffn(config: FFNConfig, linear: LinearFn, x: torch.Tensor) -> torch.Tensor:
-    act = ACTIVATIONS[config.activation]
+    act = ops.ACTIVATIONS[config.activation]
     if config.kind == "mlp":
         return linear("fc2", act(linear("fc1", x)))
     if config.kind == "glu":
@@ -57,7 +50,11 @@ class FFN(nn.Module):
             self.add_module(name, nn.Linear(in_features, out_features, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_ffn(self.config, lambda name, h: getattr(self, name)(h), x)
+        def linear(name: str, h: torch.Tensor) -> torch.Tensor:
+            layer = getattr(self, name)
+            return ops.linear(h, layer.weight, layer.bias)
+
+        return apply_ffn(self.config, linear, x)
 
 
 class ExpertBank(nn.Module):
@@ -80,6 +77,20 @@ class ExpertBank(nn.Module):
     def _bias(self, name: str) -> torch.Tensor | None:
         return getattr(self, name).bias
 
+    def weights(self) -> ops.ExpertWeights:
+        """The bank in the kernel's terms: y = act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2."""
+        first, *gate_up, last = {
+            "mlp": ("fc1", "fc2"),
+            "glu": ("gate_proj", "up_proj", "down_proj"),
+            "adapter": ("down", "up"),
+        }[self.config.kind]
+        w3 = b3 = None
+        if gate_up:
+            w3, b3 = self._weight(gate_up[0]), self._bias(gate_up[0])
+        return ops.ExpertWeights(
+            self._weight(first), self._weight(last), self.config.activation, self._bias(first), w3, b3, self._bias(last)
+        )
+
     def forward_grouped(
         self,
         x: torch.Tensor,  # [T, D]
@@ -87,62 +98,25 @@ class ExpertBank(nn.Module):
         topk_weights: torch.Tensor,  # [T, K] fp32, 0 for unused slots
     ) -> torch.Tensor:
         """Sum over each token's slots of weight * expert(x). Every used slot is computed exactly once;
-        slots are grouped by expert and each expert runs once on its slice (grouped GEMM)."""
-        t, k = topk_ids.shape
-        used = topk_ids >= 0  # [T, K]
-        slot_expert = topk_ids[used]  # [S]
-        slot_token = torch.arange(t, device=x.device)[:, None].expand(t, k)[used]  # [S]
-        order = torch.argsort(slot_expert, stable=True)  # [S] slots sorted by expert
-        sorted_expert = slot_expert[order]  # [S]
-        counts = torch.bincount(slot_expert, minlength=self.num_experts)  # [E]
-        offsets = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each expert's group
-
-        def grouped_linear(name: str, h: torch.Tensor) -> torch.Tensor:
-            out = _grouped_mm(h, self._weight(name), offsets)  # [S, out]
-            bias = self._bias(name)
-            return out if bias is None else out + bias[sorted_expert]
-
-        sorted_out = apply_ffn(self.config, grouped_linear, x[slot_token[order]])  # [S, D]
-        slot_out = torch.empty_like(sorted_out)
-        slot_out[order] = sorted_out
-        per_slot = x.new_zeros(t, k, x.shape[-1])  # [T, K, D]
-        per_slot[used] = slot_out
-        # Combine in slot order with fixed weights: no atomics, so a token's sum is batch-independent.
-        return (per_slot.float() * topk_weights[..., None]).sum(1).to(x.dtype)  # [T, D]
+        slots are grouped by expert and each expert runs once on its slots."""
+        return ops.moe_experts(x, topk_ids, topk_weights, self.weights())
 
     def forward_merged(
         self,
-        x: torch.Tensor,  # [B, L, D]
-        topk_ids: torch.Tensor,  # [B, K] experts merged for each sequence, -1 beyond its k
-        topk_weights: torch.Tensor,  # [B, K] fp32 merge weights (sum to 1 over used slots)
+        x: torch.Tensor,  # [L, D] one sequence's tokens
+        topk_ids: torch.Tensor,  # [K] experts merged for the sequence, -1 beyond its k
+        topk_weights: torch.Tensor,  # [K] fp32 merge weights (sum to 1 over used slots)
     ) -> torch.Tensor:
-        """Apply, per sequence, one expert whose parameters are the weighted average of the chosen
-        experts' parameters (SMEAR's parameter merging)."""
+        """Apply one expert whose parameters are the weighted average of the chosen experts' parameters
+        (SMEAR's parameter merging)."""
         ids = topk_ids.clamp(min=0)  # unused slots carry weight 0
         weights = topk_weights.to(x.dtype)
 
-        def merge(param: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [B, ...]
-            return torch.einsum("bk,bk...->b...", weights, param[ids])
+        def merge(param: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [...]
+            return torch.einsum("k,k...->...", weights, param[ids])
 
         def merged_linear(name: str, h: torch.Tensor) -> torch.Tensor:
-            out = torch.bmm(h, merge(self._weight(name)).transpose(1, 2))  # [B, L, out]
             bias = self._bias(name)
-            return out if bias is None else out + merge(bias)[:, None, :]
+            return ops.linear(h, merge(self._weight(name)), None if bias is None else merge(bias))
 
         return apply_ffn(self.config, merged_linear, x)
-
-
-def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [S, in] sorted by expert, weight [E, out, in], offsets [E] group ends -> [S, out]."""
-    grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
-    if grouped_mm is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
-        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    # Older torch, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the largest, one bmm.
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [S]
-    row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert_of_row]
-    capacity = int(counts.max()) if x.shape[0] else 0
-    padded = x.new_zeros(len(counts), capacity, x.shape[1])  # [E, C, in]
-    padded[expert_of_row, row_in_group] = x
-    out = torch.bmm(padded, weight.transpose(1, 2))  # [E, C, out]
-    return out[expert_of_row, row_in_group]

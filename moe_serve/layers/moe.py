@@ -1,40 +1,23 @@
-"""The MoE block: a router turning logits into (topk_ids, topk_weights) with k per row, an expert bank,
-and an optional (gated) shared expert.
+"""The MoE block: a router (one module per kind, moe_serve.layers.routers) turning fp32 logits into
+(topk_ids, topk_weights) with k per token, an expert bank, and an optional (gated) shared expert.
 
-Legend: T tokens, B sequences, L tokens per sequence, N experts, K slots (the batch's largest k), D hidden.
+Legend: T tokens of the step (packed), S sequences, N experts, K slots (the batch's largest k), D hidden.
 
-Router rules (DESIGN §3): logits in fp32; ties go to the lower expert index (stable sort); no noise,
-no capacity limit. Slots beyond a row's own k get id -1 and weight 0 and are never computed.
+Router rules (DESIGN §3): logits in fp32; ties go to the lower expert index; no noise, no capacity limit.
+Slots beyond a token's own k get id -1 and weight 0 and are never computed.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from moe_serve.kernels import ops
+from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN, ExpertBank
 from moe_serve.layers.norm import make_norm
-from moe_serve.model_config import MoEConfig, RouterConfig
-
-
-def route(
-    router_logits: torch.Tensor,  # [R, N] fp32, one row per token (or per sequence for soft_merge)
-    top_k: torch.Tensor,  # [R] int, the row's k
-    max_k: int,  # host int >= every top_k
-    config: RouterConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose experts and combine weights for each row -> topk_ids [R, K] (-1 unused), topk_weights [R, K]."""
-    sorted_logits, order = torch.sort(router_logits, dim=-1, descending=True, stable=True)  # ties: lower index
-    topk_logits, topk_ids = sorted_logits[:, :max_k], order[:, :max_k]  # [R, K]
-    used = torch.arange(max_k, device=top_k.device)[None, :] < top_k[:, None]  # [R, K]
-    if config.kind == "topk_uniform":
-        weights = used.float() / top_k[:, None].float()
-    elif config.kind == "topk_softmax" and not config.normalize:
-        weights = torch.softmax(router_logits, dim=-1).gather(1, topk_ids) * used
-    else:  # topk_softmax normalize=True, and soft_merge (renormalised over the merged experts)
-        weights = torch.softmax(topk_logits.masked_fill(~used, float("-inf")), dim=-1)
-    return topk_ids.masked_fill(~used, -1), weights
+from moe_serve.layers.routers import Router, RouterState, router_class
+from moe_serve.model_config import MoEConfig
 
 
 class MoEBlock(nn.Module):
@@ -49,6 +32,7 @@ class MoEBlock(nn.Module):
             self.shared_expert = FFN(config.shared_expert, hidden_size)
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.routing: Router = router_class(config.router.kind)(config.router, config.num_experts)
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
         self.expert_load: torch.Tensor | None = None
 
@@ -62,38 +46,38 @@ class MoEBlock(nn.Module):
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.router.bias is None else self.router.bias.float()
-        return F.linear(x.float(), self.router.weight.float(), bias)
+        return ops.linear(x.float(), self.router.weight.float(), bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, L, D]
-        token_mask: torch.Tensor,  # [B, L]
-        top_k: torch.Tensor,  # [B] experts per token of each sequence
-        max_k: int,
-    ) -> torch.Tensor:
-        if self.config.router.kind == "soft_merge":
-            out = self._forward_merged(x, token_mask, top_k, max_k)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        if self.routing.per_sequence:
+            out = self._forward_merged(x, batch)
         else:
-            out = torch.zeros_like(x)
-            tokens = x[token_mask]  # [T, D] padding is never routed
-            token_k = top_k[:, None].expand_as(token_mask)[token_mask]  # [T]
-            topk_ids, topk_weights = route(self.router_logits(tokens), token_k, max_k, self.config.router)
+            state = None
+            if self.routing.state_size:
+                assert batch.router_states is not None, "a stateful router needs its state cache"
+                state = RouterState(batch.router_states[layer], batch.attention)
+            topk_ids, topk_weights = self.routing.route(self.router_logits(x), batch.top_k, batch.max_k, state)
             self._count(topk_ids)
-            out[token_mask] = self.experts.forward_grouped(tokens, topk_ids, topk_weights)
+            out = self.experts.forward_grouped(x, topk_ids, topk_weights)
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.config.shared_expert_gate:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
         return out
 
-    def _forward_merged(
-        self, x: torch.Tensor, token_mask: torch.Tensor, top_k: torch.Tensor, max_k: int
-    ) -> torch.Tensor:
-        mask = token_mask[..., None].float()  # [B, L, 1]
-        pooled = (x.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # [B, D] masked mean
+    def _forward_merged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One routing decision per sequence from the mean of its tokens; every token of the sequence then
+        goes through the merged expert."""
+        lens = batch.attention.seq_lens
+        pooled = torch.stack([part.float().mean(0) for part in x.split(lens)])  # [S, D]
         if self.config.router.input_norm is not None:
             pooled = self.router_norm(pooled)
-        topk_ids, topk_weights = route(self.router_logits(pooled), top_k, max_k, self.config.router)
-        self._count(topk_ids, token_mask.sum(1))  # every token of a sequence uses its merged experts
-        return self.experts.forward_merged(x, topk_ids, topk_weights)
+        topk_ids, topk_weights = self.routing.route(self.router_logits(pooled), batch.seq_top_k, batch.max_k)
+        self._count(topk_ids, torch.tensor(lens, device=x.device))  # every token of a sequence uses its experts
+        parts = [
+            self.experts.forward_merged(part, ids, weights)
+            for part, ids, weights in zip(x.split(lens), topk_ids, topk_weights, strict=True)
+        ]
+        return torch.cat(parts)

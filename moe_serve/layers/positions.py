@@ -1,6 +1,6 @@
-"""Position encodings that are computed, not stored: rotary (HF rotate-half convention) and the
-Transformer-XL sinusoidal relative embedding. Both are recomputed per call from integer positions, so
-the model has no non-persistent buffers and can be built on the meta device."""
+"""Position encodings that are computed, not stored in the artifact: rotary (HF rotate-half convention) and
+the Transformer-XL sinusoidal relative embedding. The model computes their tables once, after loading
+(see MoETransformer.prepare), for every position its context allows."""
 
 from __future__ import annotations
 
@@ -63,10 +63,12 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, L, Dh]; cos/sin: [B, L, Dh]."""
+    """x: [T, H, Dh]; cos/sin: [T, Dh] (fp32)."""
     cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, rotated, sin)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """The MoE transformer described by a ModelConfig: decoder-only causal LM or bidirectional encoder with a
-pooler and classification head. Per-layer dense FFN or MoE block; pre- or post-norm.
+pooler and classification head. Per-layer dense FFN or MoE block; pre- or post-norm. Every forward runs
+on a token-packed batch: the tokens of all sequences of a step in one [T, D] tensor, no padding.
 
-Legend: B sequences, L tokens per sequence (right-padded), D hidden, V vocabulary, C classes.
+Legend: T tokens of the step, S sequences, D hidden, V vocabulary, C classes.
 """
 
 from __future__ import annotations
@@ -9,18 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_serve.layers.attention import Attention, BatchLayout
+from moe_serve.kernels import ops
+from moe_serve.layers.attention import Attention
+from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN
 from moe_serve.layers.moe import MoEBlock
 from moe_serve.layers.norm import make_norm
 from moe_serve.model_config import ModelConfig
 
-KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
+        self.index = index
         self.is_pre_norm = config.norm_position == "pre"
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.attn = Attention(config)
@@ -32,24 +34,16 @@ class DecoderLayer(nn.Module):
         else:
             self.ffn = FFN(config.ffn, config.hidden_size)
 
-    def _ffn(self, x: torch.Tensor, layout: BatchLayout, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
-        if self.is_moe:
-            return self.moe(x, layout.token_mask, top_k, max_k)
-        return self.ffn(x)
+    def _ffn(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.moe(x, batch, self.index) if self.is_moe else self.ffn(x)
 
-    def forward(
-        self,
-        h: torch.Tensor,  # [B, L, D]
-        layout: BatchLayout,
-        top_k: torch.Tensor,  # [B]
-        max_k: int,
-        kv_cache: KVCacheLayer | None,
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """h [T, D] -> [T, D]."""
         if self.is_pre_norm:
-            h = h + self.attn(self.attn_norm(h), layout, kv_cache)
-            return h + self._ffn(self.ffn_norm(h), layout, top_k, max_k)
-        h = self.attn_norm(h + self.attn(h, layout, kv_cache))
-        return self.ffn_norm(h + self._ffn(h, layout, top_k, max_k))
+            h = h + self.attn(self.attn_norm(h), batch, self.index)
+            return h + self._ffn(self.ffn_norm(h), batch)
+        h = self.attn_norm(h + self.attn(h, batch, self.index))
+        return self.ffn_norm(h + self._ffn(h, batch))
 
 
 class MoETransformer(nn.Module):
@@ -73,22 +67,21 @@ class MoETransformer(nn.Module):
                 self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
             self.classifier = nn.Linear(config.hidden_size, len(config.classifier.labels))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, L]
-        layout: BatchLayout,
-        top_k: torch.Tensor,  # [B] experts per token of each sequence (ignored by dense layers)
-        max_k: int,
-        kv_cache: list[KVCacheLayer] | None = None,
-    ) -> torch.Tensor:
-        """Final hidden states [B, L, D]."""
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """After the weights are loaded: fused projections and position tables (see Attention.prepare)."""
+        for layer in self.layers:
+            layer.attn.prepare()
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, D]."""
         h = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             h = h * self.config.embedding_scale
         if self.config.position == "learned":
-            h = h + self.embed_positions(layout.positions)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, layout, top_k, max_k, None if kv_cache is None else kv_cache[i])
+            h = h + self.embed_positions(batch.attention.positions)
+        for layer in self.layers:
+            h = layer(h, batch)
         if self.config.final_norm:
             h = self.norm(h)
         return h
@@ -111,26 +104,21 @@ class MoETransformer(nn.Module):
         return loads
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., D] -> [..., V] in fp32."""
+        """[R, D] -> [R, V] in fp32."""
         if self.config.tie_word_embeddings:
-            logits = hidden @ self.embed_tokens.weight.T
-            if self.config.lm_head_bias:
-                logits = logits + self.lm_head_bias
-            return logits.float()
-        return self.lm_head(hidden).float()
+            bias = self.lm_head_bias if self.config.lm_head_bias else None
+            return ops.linear(hidden, self.embed_tokens.weight, bias).float()
+        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
 
-    def class_logits(self, hidden: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-        """[B, L, D] -> [B, C] in fp32, pooled over real tokens only."""
+    def class_logits(self, hidden: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
+        """hidden [T, D] of whole sequences of seq_lens tokens -> [S, C] in fp32."""
         assert self.config.classifier is not None
         pooling = self.config.classifier.pooling
+        parts = hidden.split(seq_lens)
         if pooling == "mean":
-            mask = token_mask[..., None].to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        elif pooling == "first":
-            pooled = hidden[:, 0]
+            pooled = torch.stack([part.mean(0) for part in parts])
         else:
-            last = token_mask.long().sum(1) - 1  # [B]
-            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+            pooled = torch.stack([part[0] if pooling == "first" else part[-1] for part in parts])
         if self.config.classifier.pooler_dense:
             pooled = torch.tanh(self.pooler(pooled))
         return self.classifier(pooled).float()

@@ -39,7 +39,7 @@ def hf_logits(src: Path, name: str, k: int, input_ids: torch.Tensor) -> torch.Te
 
 def our_logits(llm: LLM, input_ids: torch.Tensor, k: int) -> torch.Tensor:
     with torch.inference_mode():
-        hidden, _ = llm.engine.runner.forward(input_ids.tolist(), [k] * input_ids.shape[0])
+        hidden, _ = llm.engine.runner.forward_padded(input_ids.tolist(), [k] * input_ids.shape[0])
         return llm.artifact.model.lm_logits(hidden)
 
 

@@ -70,7 +70,7 @@ def test_transformer_xl_fold_matches_training_module_at_every_k(tmp_path: Path, 
         with torch.no_grad():
             expected = model(tokens)
         with torch.inference_mode():
-            hidden, _ = llm.engine.runner.forward(tokens.tolist(), [k or 1] * 3)
+            hidden, _ = llm.engine.runner.forward_padded(tokens.tolist(), [k or 1] * 3)
             actual = llm.artifact.model.lm_logits(hidden)
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
 
@@ -101,10 +101,10 @@ def test_encoder_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: st
         with torch.no_grad():
             expected = model(tokens, mask)
         with torch.inference_mode():
-            hidden, token_mask = llm.engine.runner.forward(
+            hidden, lens = llm.engine.runner.forward_sequences(
                 [tokens[b, :n].tolist() for b, n in enumerate(lengths)], [k] * 3
             )
-            actual = llm.artifact.model.class_logits(hidden, token_mask)
+            actual = llm.artifact.model.class_logits(hidden, lens)
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
 
 
@@ -119,8 +119,8 @@ def test_moesart_drops_temperature(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = model(tokens, mask)
     with torch.inference_mode():
-        hidden, token_mask = llm.engine.runner.forward(tokens.tolist(), [2, 2])
-        torch.testing.assert_close(llm.artifact.model.class_logits(hidden, token_mask), expected, atol=1e-5, rtol=1e-5)
+        hidden, lens = llm.engine.runner.forward_sequences(tokens.tolist(), [2, 2])
+        torch.testing.assert_close(llm.artifact.model.class_logits(hidden, lens), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_wrong_method_missing_key_and_wrong_shape_fail_without_output(tmp_path: Path) -> None:

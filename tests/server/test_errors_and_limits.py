@@ -79,19 +79,19 @@ def test_body_too_large_is_413(client) -> None:
 
 def test_unexpected_failure_is_500_without_trace_and_server_keeps_serving(server, client, monkeypatch) -> None:
     runner = server.app.state.ctx.models["tiny-clf"].engine.engine.runner
-    original = runner.forward
+    original = runner.execute
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(runner, "forward", broken)
+    monkeypatch.setattr(runner, "execute", broken)
     response = client.post(
         "/v1/classify", json={"model": "tiny-clf", "input": "boom"}, headers={"x-request-id": "req-42"}
     )
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "internal server error (request id req-42)"
     assert "secret" not in response.text and "Traceback" not in response.text
-    monkeypatch.setattr(runner, "forward", original)
+    monkeypatch.setattr(runner, "execute", original)
     assert client.post("/v1/classify", json={"model": "tiny-clf", "input": "fine"}).status_code == 200
 
 

@@ -193,13 +193,13 @@ def test_non_streaming_client_that_disconnects_frees_its_slot(server, monkeypatc
 
     engine = server.app.state.ctx.models["tiny-lm"].engine
     runner = engine.engine.runner
-    forward = runner.forward
+    execute = runner.execute
 
-    def slow_forward(*args, **kwargs):  # 64 steps now take over 3 s
+    def slow_execute(*args, **kwargs):  # 64 steps now take over 3 s
         time.sleep(0.05)
-        return forward(*args, **kwargs)
+        return execute(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "forward", slow_forward)
+    monkeypatch.setattr(runner, "execute", slow_execute)
     body = {"model": "tiny-lm", "prompt": "Long", "max_tokens": 64, "ignore_eos": True}
     started = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=0.5) as http:

@@ -54,10 +54,10 @@ def test_full_logits_alone_vs_padded_batch_with_other_k(llm: LLM) -> None:
     tokenizer, runner, model = llm.tokenizer, llm.engine.runner, llm.artifact.model
     target = tokenizer.encode(TARGET)
     with torch.inference_mode():
-        hidden, _ = runner.forward([target], [3])
+        hidden, _ = runner.forward_padded([target], [3])
         alone = model.lm_logits(hidden)[0]
         batch = [tokenizer.encode(p) for p in OTHER_PROMPTS]
-        hidden, _ = runner.forward(batch[:4] + [target] + batch[4:], [1, 4, 2, 1, 3, 4, 2, 1])
+        hidden, _ = runner.forward_padded(batch[:4] + [target] + batch[4:], [1, 4, 2, 1, 3, 4, 2, 1])
         together = model.lm_logits(hidden)[4, : len(target)]
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
 

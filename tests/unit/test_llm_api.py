@@ -90,7 +90,7 @@ def test_temperature_zero_is_greedy_argmax(llm: LLM) -> None:
     runner, model = llm.engine.runner, llm.artifact.model
     for token in out.outputs[0].token_ids:  # recompute each step from scratch, no cache
         with torch.inference_mode():
-            hidden, _ = runner.forward([tokens], [3])
+            hidden, _ = runner.forward_padded([tokens], [3])
             assert int(model.lm_logits(hidden)[0, -1].argmax()) == token
         tokens.append(token)
 

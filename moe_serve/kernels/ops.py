@@ -1,0 +1,258 @@
+"""The kernels the model calls: linear, MoE experts, attention (paged or packed). Each dispatches to the
+C++ CPU kernels when they apply (CPU, float32 activations) and to plain PyTorch otherwise; the PyTorch
+versions are also the references the tests compare with.
+
+Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots,
+D hidden, I intermediate, R relative distances, NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from moe_serve.kernels import cpu_extension
+
+SKINNY_MAX_ROWS = 16  # up to this many rows, stream the weight once (C++); above, an MKL GEMM
+MOE_BIG_GROUP = 24  # an expert with more slots than this in a step runs as an MKL GEMM
+
+ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def _cpu_ext(x: torch.Tensor):
+    return cpu_extension() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
+# ---- linear -----------------------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias."""
+    ext = _cpu_ext(x)
+    if (
+        ext is not None
+        and x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    ):
+        return ext.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# ---- MoE experts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One expert bank as the kernel sees it: y = act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2."""
+
+    w1: torch.Tensor  # [E, I, D]
+    w2: torch.Tensor  # [E, D, I]
+    activation: str
+    b1: torch.Tensor | None = None  # [E, I]
+    w3: torch.Tensor | None = None  # [E, I, D], gated experts (GLU)
+    b3: torch.Tensor | None = None
+    b2: torch.Tensor | None = None  # [E, D]
+
+
+def moe_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: ExpertWeights
+) -> torch.Tensor:
+    """x [T, D], topk_ids [T, K] (-1: slot unused), topk_weights [T, K] fp32 -> [T, D]: the weighted sum of
+    each token's experts, combined in slot order."""
+    ext = _cpu_ext(x)
+    if ext is not None and bank.w1.dtype in (torch.float32, torch.bfloat16):
+        return ext.moe_experts(
+            x,
+            topk_ids,
+            topk_weights,
+            bank.w1,
+            bank.b1,
+            bank.w3,
+            bank.b3,
+            bank.w2,
+            bank.b2,
+            ACTIVATION_IDS[bank.activation],
+            MOE_BIG_GROUP,
+        )
+    return moe_experts_torch(x, topk_ids, topk_weights, bank)
+
+
+def moe_experts_torch(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: ExpertWeights
+) -> torch.Tensor:
+    """Slots grouped by expert, each expert once on its slice (grouped GEMM), combined in slot order."""
+    t, k = topk_ids.shape
+    used = topk_ids >= 0  # [T, K]
+    slot_expert = topk_ids[used]  # [S]
+    slot_token = torch.arange(t, device=x.device)[:, None].expand(t, k)[used]  # [S]
+    order = torch.argsort(slot_expert, stable=True)  # [S] slots sorted by expert
+    sorted_expert = slot_expert[order]
+    offsets = torch.cumsum(torch.bincount(slot_expert, minlength=bank.w1.shape[0]), 0).to(torch.int32)  # [E]
+    xs = x[slot_token[order]]  # [S, D]
+
+    def grouped(w: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        out = _grouped_mm(h, w, offsets)
+        return out if b is None else out + b[sorted_expert]
+
+    act = ACTIVATIONS[bank.activation]
+    h = act(grouped(bank.w1, bank.b1, xs))
+    if bank.w3 is not None:
+        h = h * grouped(bank.w3, bank.b3, xs)
+    sorted_out = grouped(bank.w2, bank.b2, h)  # [S, D]
+    slot_out = torch.empty_like(sorted_out)
+    slot_out[order] = sorted_out
+    per_slot = x.new_zeros(t, k, x.shape[-1])  # [T, K, D]
+    per_slot[used] = slot_out
+    # Combine in slot order with fixed weights: no atomics, so a token's sum is batch-independent.
+    return (per_slot.float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert, weight [E, out, in], offsets [E] group ends -> [S, out]."""
+    grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
+    if grouped_mm is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    # Older torch, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the largest, one bmm.
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [S]
+    row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert_of_row]
+    capacity = int(counts.max()) if x.shape[0] else 0
+    padded = x.new_zeros(len(counts), capacity, x.shape[1])  # [E, C, in]
+    padded[expert_of_row, row_in_group] = x
+    out = torch.bmm(padded, weight.transpose(1, 2))  # [E, C, out]
+    return out[expert_of_row, row_in_group]
+
+
+# ---- attention --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RelativeTerm:
+    """Transformer-XL's positional term for query i and key j: (q + r_r_bias) . r_k[i - j + offset]."""
+
+    q_rel: torch.Tensor  # [T, H, Dh] = q + r_r_bias
+    r_k: torch.Tensor  # [R, H, Dh] the projected sinusoid of each distance
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBatch:
+    """Where each query token's keys are. Built once per step by the runner, shared by every layer."""
+
+    seq_ids: torch.Tensor  # [T] int64, the sequence of each query token (0..S-1)
+    positions: torch.Tensor  # [T] int64, its position in that sequence
+    num_keys: torch.Tensor  # [S] int64, keys each sequence has once this step's tokens are in
+    seq_starts: torch.Tensor  # [S] int64, the sequence's first row in the packed batch
+    seq_lens: tuple[int, ...]  # host: query tokens of each sequence in this step
+    num_keys_host: tuple[int, ...]  # host copy of num_keys
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int32; None: keys are the batch's own tokens
+    slot_mapping: torch.Tensor | None = None  # [T] int64, cache row (block * BS + offset) of each token
+
+
+def write_kv(
+    cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store this step's keys and values [T, G, Dh] in the paged cache ([NB, BS, G, Dh] each)."""
+    k_cache, v_cache = cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def attention(
+    q: torch.Tensor,  # [T, H, Dh]
+    k: torch.Tensor,  # [T, G, Dh] this step's keys (already in the cache when there is one)
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    causal: bool,
+    scale: float,
+    relative: RelativeTerm | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh]."""
+    ext = _cpu_ext(q)
+    rel = (relative.q_rel, relative.r_k, relative.offset) if relative is not None else (None, None, 0)
+    if ext is not None and (cache is None or cache[0].dtype == torch.float32):
+        if cache is not None:
+            return ext.paged_attention(
+                q,
+                cache[0],
+                cache[1],
+                batch.block_tables,
+                batch.seq_ids,
+                batch.positions,
+                batch.num_keys,
+                causal,
+                scale,
+                *rel,
+            )
+        return ext.packed_attention(
+            q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale, *rel
+        )
+    return attention_torch(q, k, v, batch, cache, causal, scale, relative)
+
+
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    causal: bool,
+    scale: float,
+    relative: RelativeTerm | None = None,
+) -> torch.Tensor:
+    """One sequence at a time: gather its keys (from its blocks, or its own rows), mask by position, SDPA."""
+    out = torch.empty_like(q)
+    start = 0
+    for s, n in enumerate(batch.seq_lens):
+        rows = slice(start, start + n)
+        start += n
+        num_keys = batch.num_keys_host[s]
+        if cache is None:
+            first = int(batch.seq_starts[s])
+            keys, values = k[first : first + num_keys], v[first : first + num_keys]  # [S_k, G, Dh]
+        else:
+            keys, values = (_gather_blocks(c, batch.block_tables[s], num_keys) for c in cache)  # type: ignore[index]
+        query_pos = batch.positions[rows]  # [n]
+        key_pos = torch.arange(num_keys, device=q.device)
+        allowed = (
+            key_pos[None, :] <= query_pos[:, None]
+            if causal
+            else torch.ones(n, num_keys, dtype=torch.bool, device=q.device)
+        )
+        mask = torch.zeros(n, num_keys, device=q.device, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
+        qs = q[rows].transpose(0, 1)  # [H, n, Dh]
+        if relative is not None:
+            distance = query_pos[:, None] - key_pos[None, :] + relative.offset  # [n, S_k]
+            r_rows = relative.r_k[distance.clamp(0, relative.r_k.shape[0] - 1)]  # [n, S_k, H, Dh]
+            positional = torch.einsum("nhd,nshd->hns", relative.q_rel[rows].float(), r_rows.float())
+            mask = mask[None] + positional * scale  # [H, n, S_k]
+        o = F.scaled_dot_product_attention(
+            qs,
+            keys.transpose(0, 1).to(q.dtype),
+            values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask.to(q.dtype),
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """A sequence's first num_keys cached rows, in order: [num_keys, G, Dh]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-num_keys // block_size)].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:num_keys]

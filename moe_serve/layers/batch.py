@@ -1,0 +1,25 @@
+"""What one forward pass over a token-packed batch needs besides the token ids: where each token's keys
+are (AttentionBatch), each token's k, and the caches. Built once per step by the runner, read by every
+layer; nothing global."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_serve.kernels.ops import AttentionBatch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    attention: AttentionBatch
+    top_k: torch.Tensor  # [T] experts per token (each token's request k)
+    max_k: int  # host int >= every top_k
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [NB, BS, G, Dh] x2; None: no cache
+    router_states: dict[int, torch.Tensor] | None = None  # MoE layer -> [NB * BS, state_size] (stateful routers)
+
+    @property
+    def seq_top_k(self) -> torch.Tensor:
+        """[S] the k of each sequence (its first token's)."""
+        return self.top_k[self.attention.seq_starts]

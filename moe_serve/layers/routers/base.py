@@ -1,0 +1,78 @@
+"""The router interface and its registry.
+
+route(logits [R, N] fp32, top_k [R], max_k, state) -> (topk_ids [R, K], topk_weights [R, K]):
+R rows (tokens, or sequences for a per-sequence router), N experts, K = max_k slots; slots beyond a
+row's own k get id -1 and weight 0 and are never computed. Ties go to the lower expert index; no noise,
+no capacity limit (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from moe_serve.kernels.ops import AttentionBatch
+    from moe_serve.model_config import RouterConfig
+
+_REGISTRY: dict[str, type[Router]] = {}
+
+
+def register(kind: str) -> Callable[[type[Router]], type[Router]]:
+    def add(cls: type[Router]) -> type[Router]:
+        cls.kind = kind
+        _REGISTRY[kind] = cls
+        return cls
+
+    return add
+
+
+def router_kinds() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def router_class(kind: str) -> type[Router]:
+    return _REGISTRY[kind]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    """A stateful router's per-token memory in one MoE layer: row `slot` of `cache` belongs to the token the
+    KV cache keeps at that slot, so the state follows chunked prefill, prefix caching and preemption."""
+
+    cache: torch.Tensor  # [NB * BS, state_size]
+    batch: AttentionBatch  # the step's tokens: sequences, positions, block tables, slot mapping
+
+
+class Router(ABC):
+    kind: str = ""
+    state_size: int = 0  # floats kept per token in the cache (0: stateless)
+    per_sequence: bool = False  # one decision per whole input: the MoE block routes its pooled mean
+
+    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        self.config = config
+        self.num_experts = num_experts
+
+    @abstractmethod
+    def route(
+        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> topk_ids [R, K] (-1 beyond a row's k), topk_weights [R, K] fp32."""
+
+    @classmethod
+    def is_approximate(cls, k: int, num_experts: int) -> bool:
+        """Whether k is outside what the method defines exactly (flagged in responses)."""
+        return False
+
+
+def top_experts(
+    logits: torch.Tensor, top_k: torch.Tensor, max_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The max_k largest logits per row, ties to the lower index -> (logits [R, K], ids [R, K], used [R, K])."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    used = torch.arange(max_k, device=logits.device)[None, :] < top_k[:, None]
+    return sorted_logits[:, :max_k], order[:, :max_k], used

@@ -1,0 +1,149 @@
+"""The scheduler and block manager without a model: budgets, chunked prefill, admission by free blocks,
+preemption by recompute, prefix caching, abort, and prefill chunks sized to bound the join stall."""
+
+from __future__ import annotations
+
+from moe_serve.engine.block_manager import BlockManager
+from moe_serve.engine.scheduler import Scheduler, SchedulerConfig
+from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
+
+BS = 4  # block size
+
+
+def seq(prompt_len: int, k: int = 2, name: str = "r", first: int = 0, kind=SequenceKind.GENERATE) -> Sequence:
+    tokens = list(range(first, first + prompt_len))
+    return Sequence(name, 0, tokens, prompt_len, k, kind)
+
+
+def run_step(scheduler: Scheduler, sample: int = 7) -> list[tuple[str, int]]:
+    """Schedule, pretend to compute, append a sampled token where the prompt is complete."""
+    out = scheduler.schedule()
+    scheduler.update(out)
+    for item in out.scheduled:
+        if item.completes_prompt and item.seq.kind is SequenceKind.GENERATE:
+            item.seq.token_ids.append(sample)
+    return [(item.seq.request_id, item.num_tokens) for item in out.scheduled]
+
+
+def make(num_blocks: int = 16, budget: int = 64, max_seqs: int = 8, caching: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_seqs, budget), BlockManager(num_blocks, BS, caching))
+
+
+def test_decodes_first_then_chunked_prefill_under_the_token_budget() -> None:
+    s = make(budget=8)
+    a, b = seq(3, name="a"), seq(20, name="b", first=100)
+    s.add(a)
+    assert run_step(s) == [("a", 3)]
+    s.add(b)
+    assert run_step(s) == [("a", 1), ("b", 7)]  # a's decode first, b gets the rest of the budget
+    assert run_step(s) == [("a", 1), ("b", 7)]
+    assert run_step(s) == [("a", 1), ("b", 6)]  # b's prompt completes: it gets its first token
+    assert b.num_output_tokens == 1 and run_step(s) == [("a", 1), ("b", 1)]
+
+
+def test_admission_waits_for_free_blocks_first_come_first_served() -> None:
+    s = make(num_blocks=4, budget=100)
+    s.add(a := seq(8, name="a"))  # 2 blocks
+    s.add(b := seq(8, name="b", first=50))  # 2 blocks
+    s.add(seq(4, name="c", first=90))  # 1 block: would fit after a and b only if nothing else grows
+    assert run_step(s) == [("a", 8), ("b", 8)]
+    assert [x.request_id for x in s.waiting] == ["c"]
+    s.finish(a, "stop")
+    assert s.blocks.num_free_blocks == 2
+    assert ("c", 4) in run_step(s) and b.status is SequenceStatus.RUNNING
+
+
+def test_preemption_frees_the_latest_and_recomputes_it_from_the_prefix_cache() -> None:
+    s = make(num_blocks=4, budget=100)
+    s.add(a := seq(7, name="a"))
+    s.add(b := seq(8, name="b", first=50))
+    run_step(s)  # a: 2 blocks (7 prompt + 1 sampled = 8 tokens), b: 2 blocks + its token needs a third
+    assert s.blocks.num_free_blocks == 0
+    out = s.schedule()  # a decodes (fits its 2nd block); b needs a 3rd block: b is preempted
+    assert [x.seq.request_id for x in out.scheduled] == ["a"] and out.preempted == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    s.update(out)
+    a.token_ids.append(7)
+    s.finish(a, "stop")
+    assert run_step(s) == [("b", 1)]  # b comes back: its two full blocks (8 tokens) are a prefix-cache hit
+    assert b.num_cached_tokens == 8 and b.num_preemptions == 1
+
+
+def test_prefix_cache_hits_full_blocks_at_the_same_k_only() -> None:
+    s = make(num_blocks=32, budget=100)
+    s.add(first := seq(10, k=2, name="a"))
+    run_step(s)
+    s.finish(first, "stop")  # freed, but its two full blocks stay findable
+    s.add(same := seq(10, k=2, name="b"))
+    s.add(other_k := seq(10, k=3, name="c"))
+    assert run_step(s) == [("b", 2), ("c", 10)]
+    assert same.num_cached_tokens == 8 and other_k.num_cached_tokens == 0
+    assert s.blocks.stats.hit_tokens == 8 and s.blocks.stats.queried_tokens == 30
+
+
+def test_whole_prompt_in_the_cache_still_computes_its_last_token() -> None:
+    s = make(num_blocks=32)
+    s.add(a := seq(8, name="a"))
+    run_step(s)
+    s.finish(a, "stop")
+    s.add(b := seq(8, name="b"))
+    assert run_step(s) == [("b", 4)] and b.num_cached_tokens == 4  # block 2 holds the last prompt token
+
+
+def test_scoring_never_takes_the_prefix_cache_shortcut() -> None:
+    s = make(num_blocks=32)
+    s.add(a := seq(9, name="a"))
+    run_step(s)
+    s.finish(a, "stop")
+    s.add(scored := seq(9, name="s", kind=SequenceKind.SCORE))
+    assert run_step(s) == [("s", 9)] and scored.num_cached_tokens == 0
+
+
+def test_lru_eviction_and_a_hash_collision_guard() -> None:
+    manager = BlockManager(num_blocks=2, block_size=BS)
+    a = seq(5, name="a")
+    manager.allocate(a, 5, [])
+    a.num_computed_tokens = 5
+    manager.commit(a)
+    manager.free(a)
+    assert manager.cached_prefix(seq(5, name="again")) == [a_block := manager.cached_prefix(seq(5))[0]]
+    b = seq(8, name="b", first=40)
+    manager.allocate(b, 8, [])  # takes both free blocks: a's cached block is evicted
+    assert a_block in b.block_table and manager.cached_prefix(seq(5)) == []
+    manager.blocks[a_block].token_ids = (9, 9, 9, 9)  # same hash, other tokens: not a hit
+    assert manager.cached_prefix(seq(5)) == []
+
+
+def test_abort_frees_blocks_at_once_wherever_the_sequence_is() -> None:
+    s = make(num_blocks=8)
+    s.add(a := seq(6, name="a"))
+    s.add(w := seq(6, name="w", first=30))
+    run_step(s)
+    s.add(late := seq(6, name="late", first=60))
+    s.finish(a, "abort")
+    s.finish(late, "abort")
+    assert a.is_finished and late.is_finished and not a.block_table
+    assert [x.request_id for x in s.running] == ["w"] and not s.waiting
+    assert s.blocks.num_used_blocks == len(w.block_table)
+
+
+def test_classification_inputs_run_whole_without_blocks() -> None:
+    s = make(budget=10)
+    s.add(seq(12, name="big", kind=SequenceKind.CLASSIFY))
+    assert run_step(s) == []  # never chunked: waits for a budget it fits
+    s = make(budget=12)
+    s.add(c := seq(12, name="c", kind=SequenceKind.CLASSIFY))
+    assert run_step(s) == [("c", 12)] and not c.block_table
+
+
+def test_prefill_chunks_bound_the_step_while_decodes_run() -> None:
+    s = make(num_blocks=64, budget=200)
+    for i in range(4):
+        s.add(seq(3, name=f"d{i}", first=10 * i))
+    run_step(s)
+    s.costs.decode_step, s.costs.per_token = 0.010, 0.001  # a decode step 10 ms, a prompt token 1 ms
+    s.add(seq(100, name="long", first=500))
+    steps = [run_step(s) for _ in range(4)]
+    chunk = (3.0 - 1.0) * 0.010 / 0.001  # 20 tokens keep the step under 3 decode steps
+    assert [dict(step)["long"] for step in steps] == [chunk] * 4
+    assert all(dict(step)[f"d{i}"] == 1 for step in steps for i in range(4))
