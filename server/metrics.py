@@ -84,7 +84,18 @@ class _EngineCollector(Collector):
         gauge = GaugeMetricFamily
         running = gauge("moe_serve_num_requests_running", "Sequences in the running batch", labels=["model"])
         waiting = gauge("moe_serve_num_requests_waiting", "Sequences waiting for a slot or KV budget", labels=["model"])
-        kv = gauge("moe_serve_kv_cache_usage_ratio", "KV-cache tokens reserved / budget", labels=["model"])
+        kv = gauge("moe_serve_kv_cache_usage_ratio", "Share of the KV-cache blocks held by sequences", labels=["model"])
+        kv_bytes = gauge(
+            "moe_serve_kv_cache_bytes",
+            "KV-cache memory: allocated (once, from the budget) and in use",
+            labels=["model", "state"],
+        )
+        prefix_queries = CounterMetricFamily(
+            "moe_serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["model"]
+        )
+        prefix_hits = CounterMetricFamily(
+            "moe_serve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["model"]
+        )
         quality = gauge(
             "moe_serve_quality", "Quality against k (quality.json)", labels=["model", "k", "metric", "dataset"]
         )
@@ -103,6 +114,12 @@ class _EngineCollector(Collector):
             running.add_metric([name], engine.num_running)
             waiting.add_metric([name], engine.num_waiting)
             kv.add_metric([name], engine.kv_cache_usage)
+            allocated, used = engine.kv_cache_bytes
+            kv_bytes.add_metric([name, "allocated"], allocated)
+            kv_bytes.add_metric([name, "used"], used)
+            queried, hits = engine.prefix_cache
+            prefix_queries.add_metric([name], queried)
+            prefix_hits.add_metric([name], hits)
             for row in table.rows if table else ():
                 quality.add_metric([name, str(row.k), row.metric, row.dataset], row.value)
             if self.expert_metrics == "off" or engine.expert_load is None:
@@ -115,4 +132,4 @@ class _EngineCollector(Collector):
                         tokens.add_metric([name, str(layer), str(expert)], count)
                 entropy.add_metric([name, str(layer)], normalised_entropy(counts))
                 share.add_metric([name, str(layer)], max_share(counts))
-        yield from (running, waiting, kv, quality, tokens, entropy, share)
+        yield from (running, waiting, kv, kv_bytes, prefix_queries, prefix_hits, quality, tokens, entropy, share)

@@ -122,6 +122,18 @@ class AsyncEngine:
         return self.engine.kv_cache_usage
 
     @property
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        """(allocated, in use by sequences): the pool is allocated once, from the configured budget."""
+        shape, blocks = self.engine.cache_shape, self.engine.blocks
+        return shape.num_bytes, blocks.num_used_blocks * shape.bytes_per_block
+
+    @property
+    def prefix_cache(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens found) in the prefix cache so far."""
+        stats = self.engine.blocks.stats
+        return stats.queried_tokens, stats.hit_tokens
+
+    @property
     def num_running(self) -> int:
         return self.engine.num_running
 

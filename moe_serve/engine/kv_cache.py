@@ -1,4 +1,4 @@
-"""The paged KV cache: per layer, keys and values in fixed-size blocks ([NB, BS, G, Dh] each), plus the
+"""The paged KV cache: per layer, keys and values in fixed-size blocks (layout: kernels.ops.cache_shapes), plus the
 per-token state of stateful routers, block-aligned with the keys. The pool is sized once, from a memory
 budget in bytes, and never grows: what is allocated is what the budget allows, and no more.
 """
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.kernels.ops import cache_shapes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 
@@ -32,7 +33,7 @@ def router_state_sizes(config: ModelConfig) -> dict[int, int]:
     """MoE layer -> floats its router keeps per token (stateful kinds only)."""
     if config.moe is None:
         return {}
-    size = router_class(config.moe.router.kind).state_size
+    size = router_class(config.moe.router.kind).state_size(config.moe.num_experts)
     return {layer: size for layer in config.moe.layers} if size else {}
 
 
@@ -52,10 +53,10 @@ class KVCache:
     def __init__(self, config: ModelConfig, shape: CacheShape, device: torch.device, dtype: torch.dtype) -> None:
         assert config.num_kv_heads is not None and config.head_dim is not None
         self.shape = shape
-        rows = (shape.num_blocks, shape.block_size, config.num_kv_heads, config.head_dim)
+        keys, values = cache_shapes(shape.num_blocks, shape.block_size, config.num_kv_heads, config.head_dim)
         # torch.empty: pages are committed as blocks are first written; nothing reads a slot before that.
         self.layers = [
-            (torch.empty(rows, device=device, dtype=dtype), torch.empty(rows, device=device, dtype=dtype))
+            (torch.empty(keys, device=device, dtype=dtype), torch.empty(values, device=device, dtype=dtype))
             for _ in range(config.num_layers)
         ]
         self.router_states = {

@@ -113,7 +113,8 @@ class TorchRunner:
         )
         caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
         states = self.cache.router_states if caches is not None else None
-        return ForwardBatch(attention, torch.tensor(ks, device=device), max(ks), caches, states)
+        block_size = self.cache.shape.block_size if self.cache is not None else 0
+        return ForwardBatch(attention, torch.tensor(ks, device=device), max(ks), caches, states, block_size)
 
     @torch.inference_mode()
     def _results(self, output: SchedulerOutput, hidden: torch.Tensor, lens: tuple[int, ...]) -> StepResult:

@@ -16,8 +16,7 @@ from torch.nn import functional as F
 
 from moe_serve.kernels import cpu_extension
 
-SKINNY_MAX_ROWS = 16  # up to this many rows, stream the weight once (C++); above, an MKL GEMM
-MOE_BIG_GROUP = 24  # an expert with more slots than this in a step runs as an MKL GEMM
+LINEAR_MAX_ROWS = 64  # up to this many rows the C++ kernel (weights streamed once); above, MKL's GEMM
 
 ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
@@ -32,14 +31,50 @@ def _cpu_ext(x: torch.Tensor):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T + bias."""
     ext = _cpu_ext(x)
-    if (
-        ext is not None
-        and x.dim() == 2
-        and x.shape[0] <= SKINNY_MAX_ROWS
-        and weight.dtype in (torch.float32, torch.bfloat16)
-    ):
-        return ext.skinny_linear(x, weight, bias)
+    if ext is not None and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and weight.dtype == torch.float32:
+        return ext.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    ext = _cpu_ext(x)
+    if ext is not None and weight.dtype == torch.float32:
+        return ext.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    x32 = x.float()
+    return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+# ---- routing ----------------------------------------------------------------------------------------
+
+ROUTE_MODES = {"softmax_chosen": 0, "softmax_all": 1, "uniform": 2}
+
+
+def topk_route(logits: torch.Tensor, top_k: torch.Tensor, max_k: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The max_k largest logits per row (ties to the lower index) -> ids [R, K] (-1 beyond a row's k) and
+    weights [R, K]: softmax over the chosen (softmax_chosen), their full-softmax probability (softmax_all),
+    or exactly 1/k (uniform)."""
+    ext = _cpu_ext(logits)
+    if ext is not None:
+        ids, weights = ext.topk_route(logits, top_k, max_k, ROUTE_MODES[mode])
+        return ids, weights
+    return topk_route_torch(logits, top_k, max_k, mode)
+
+
+def topk_route_torch(
+    logits: torch.Tensor, top_k: torch.Tensor, max_k: int, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    topk_logits, topk_ids = sorted_logits[:, :max_k], order[:, :max_k]  # [R, K]
+    used = torch.arange(max_k, device=logits.device)[None, :] < top_k[:, None]  # [R, K]
+    if mode == "uniform":
+        weights = used.float() / top_k[:, None].float()
+    elif mode == "softmax_all":
+        weights = torch.softmax(logits, dim=-1).gather(1, topk_ids) * used
+    else:
+        weights = torch.softmax(topk_logits.masked_fill(~used, float("-inf")), dim=-1)
+    return topk_ids.masked_fill(~used, -1), weights
 
 
 # ---- MoE experts ------------------------------------------------------------------------------------
@@ -76,7 +111,6 @@ def moe_experts(
             bank.w2,
             bank.b2,
             ACTIVATION_IDS[bank.activation],
-            MOE_BIG_GROUP,
         )
     return moe_experts_torch(x, topk_ids, topk_weights, bank)
 
@@ -144,6 +178,7 @@ class RelativeTerm:
 
     q_rel: torch.Tensor  # [T, H, Dh] = q + r_r_bias
     r_k: torch.Tensor  # [R, H, Dh] the projected sinusoid of each distance
+    r_kt: torch.Tensor  # [H, Dh, R] the same, laid out for the C++ kernel
     offset: int
 
 
@@ -161,13 +196,44 @@ class AttentionBatch:
     slot_mapping: torch.Tensor | None = None  # [T] int64, cache row (block * BS + offset) of each token
 
 
-def write_kv(
-    cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Store this step's keys and values [T, G, Dh] in the paged cache ([NB, BS, G, Dh] each)."""
-    k_cache, v_cache = cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+# The paged cache, per layer: keys [NB, G, Dh, BS] (transposed inside each block, so 16 keys' scores are one
+# vector), values [NB, G, BS, Dh].
+
+
+def cache_shapes(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def rotary_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    slot_mapping: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [T, H, Dh] and k [T, G, Dh] (cos, sin [T, Dh]), and k, v stored at their cache
+    slots -> (q, k) rotated."""
+    ext = _cpu_ext(q)
+    if ext is not None and (cache is None or cache[0].dtype == torch.float32):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        cos, sin = rotary if rotary is not None else (None, None)
+        k_cache, v_cache = cache if cache is not None else (None, None)
+        ext.rotary_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return q, k
+    if rotary is not None:
+        from moe_serve.layers.positions import apply_rotary
+
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    if cache is not None:
+        k_cache, v_cache = cache
+        block_size = k_cache.shape[-1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # type: ignore[operator]
+        k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
+    return q, k
 
 
 def attention(
@@ -182,8 +248,8 @@ def attention(
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh]."""
     ext = _cpu_ext(q)
-    rel = (relative.q_rel, relative.r_k, relative.offset) if relative is not None else (None, None, 0)
-    if ext is not None and (cache is None or cache[0].dtype == torch.float32):
+    rel = (relative.q_rel, relative.r_kt, relative.offset) if relative is not None else (None, None, 0)
+    if ext is not None and (cache is None or (cache[0].dtype == torch.float32 and cache[0].shape[-1] % 16 == 0)):
         if cache is not None:
             return ext.paged_attention(
                 q,
@@ -224,7 +290,7 @@ def attention_torch(
             first = int(batch.seq_starts[s])
             keys, values = k[first : first + num_keys], v[first : first + num_keys]  # [S_k, G, Dh]
         else:
-            keys, values = (_gather_blocks(c, batch.block_tables[s], num_keys) for c in cache)  # type: ignore[index]
+            keys, values = gather_sequence(cache, batch.block_tables[s], num_keys)  # type: ignore[index]
         query_pos = batch.positions[rows]  # [n]
         key_pos = torch.arange(num_keys, device=q.device)
         allowed = (
@@ -251,8 +317,12 @@ def attention_torch(
     return out
 
 
-def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """A sequence's first num_keys cached rows, in order: [num_keys, G, Dh]."""
-    block_size = cache.shape[1]
-    blocks = block_table[: -(-num_keys // block_size)].long()
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:num_keys]
+def gather_sequence(
+    cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first num_keys cached keys and values, in order: [num_keys, G, Dh] each."""
+    k_cache, v_cache = cache
+    blocks = block_table[: -(-num_keys // k_cache.shape[-1])].long()
+    keys = k_cache[blocks].permute(0, 3, 1, 2).reshape(-1, *k_cache.shape[1:3])[:num_keys]
+    values = v_cache[blocks].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:num_keys]
+    return keys, values

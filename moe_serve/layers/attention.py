@@ -17,7 +17,7 @@ from torch import nn
 from moe_serve.kernels import ops
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
-from moe_serve.layers.positions import apply_rotary, rotary_cos_sin, sinusoid_relative
+from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
 from moe_serve.model_config import ModelConfig
 
 
@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, Dh]
         self._r_k: torch.Tensor | None = None  # [R, H, Dh]
+        self._r_kt: torch.Tensor | None = None  # [H, Dh, R] (the C++ kernel's layout)
         self._r_offset = 0
 
     @torch.no_grad()
@@ -81,6 +82,7 @@ class Attention(nn.Module):
             distances = torch.arange(low, max_len, device=device)  # [R]
             r = sinusoid_relative(distances, self.hidden_size).to(weight.dtype)  # [R, D]
             self._r_k = self.r_proj(r).view(-1, self.num_heads, self.head_dim)  # [R, H, Dh]
+            self._r_kt = self._r_k.permute(1, 2, 0).contiguous()
             self._r_offset = -low
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
@@ -98,17 +100,15 @@ class Attention(nn.Module):
         q, k, v = q.reshape(t, h, dh), k.reshape(t, g, dh), v.reshape(t, g, dh)  # [T, H|G, Dh]
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
-        positions = batch.attention.positions
+        rotary = None
         if self._rotary is not None:
-            cos, sin = self._rotary[0][positions], self._rotary[1][positions]  # [T, Dh]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
+            positions = batch.attention.positions
+            rotary = (self._rotary[0][positions], self._rotary[1][positions])  # cos, sin [T, Dh]
         cache = None if batch.kv_caches is None else batch.kv_caches[layer]
-        if cache is not None:
-            ops.write_kv(cache, batch.attention.slot_mapping, k, v)  # type: ignore[arg-type]
+        q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention.slot_mapping)
         relative = None
         if self._r_k is not None:
-            relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_offset)
+            relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
         return ops.linear(out.reshape(t, h * dh), self.o_proj.weight, self.o_proj.bias)

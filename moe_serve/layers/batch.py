@@ -18,6 +18,7 @@ class ForwardBatch:
     max_k: int  # host int >= every top_k
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [NB, BS, G, Dh] x2; None: no cache
     router_states: dict[int, torch.Tensor] | None = None  # MoE layer -> [NB * BS, state_size] (stateful routers)
+    block_size: int = 0  # of the paged cache, when there is one
 
     @property
     def seq_top_k(self) -> torch.Tensor:

@@ -54,9 +54,8 @@ class MoEBlock(nn.Module):
             out = self._forward_merged(x, batch)
         else:
             state = None
-            if self.routing.state_size:
-                assert batch.router_states is not None, "a stateful router needs its state cache"
-                state = RouterState(batch.router_states[layer], batch.attention)
+            if batch.router_states:
+                state = RouterState(batch.router_states[layer], batch.attention, batch.block_size)
             topk_ids, topk_weights = self.routing.route(self.router_logits(x), batch.top_k, batch.max_k, state)
             self._count(topk_ids)
             out = self.experts.forward_grouped(x, topk_ids, topk_weights)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moe_serve.kernels import ops
 from moe_serve.model_config import NormKind
 
 
@@ -16,11 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

@@ -26,7 +26,7 @@ CASES = {
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
 def test_prefill_plus_decode_equals_full_forward(make_artifact, monkeypatch, overrides, kernels) -> None:
     use_kernels(monkeypatch, kernels)
-    llm = LLM(make_artifact(lm_config(**overrides), seed=7), EngineConfig(block_size=4))
+    llm = LLM(make_artifact(lm_config(**overrides), seed=7), EngineConfig(block_size=16))
     runner, model, blocks = llm.engine.runner, llm.artifact.model, llm.engine.blocks
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (11, 6, 9)]

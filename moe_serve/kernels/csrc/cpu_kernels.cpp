@@ -1,16 +1,22 @@
-// CPU kernels of moe-serve: the bandwidth-bound parts of a decode step, written so that each output
-// element is computed by the same sequence of floating-point operations whatever else is in the batch
-// (a token's result never depends on what it is batched with: bitwise, on these paths).
+// CPU kernels of moe-serve: the parts of a step that PyTorch runs as many small ops or as bandwidth-poor
+// matrix-vector products. Each output element is computed by the same sequence of floating-point
+// operations whatever else is in the batch, so a token's result never depends on what it is batched with
+// (bitwise, on these paths).
 //
-//   skinny_linear  y[M, N] = x[M, K] W[N, K]^T + b   for few rows: W is streamed from memory once, each
-//                  weight row meets up to 8 rows of x while it is in L1.
+//   linear         y[M, N] = x[M, K] W[N, K]^T + b: a 4x4 register-blocked kernel that streams W from memory
+//                  once; every output is one FMA chain over K in a fixed order.
 //   moe_experts    sum over a token's slots of weight * expert(x): slots grouped by expert, each expert's
-//                  weights streamed once for all of its slots (skinny), or an MKL GEMM for big groups.
-//   attention      paged or packed (varlen) attention with an online softmax: O(head_dim) memory per
-//                  query whatever the context, causal or not, with Transformer-XL's relative term.
+//                  weights streamed once for all of its slots; combined in slot order.
+//   topk_route     top-k experts per row (ties to the lower index) and their combine weights.
+//   rms_norm       one pass per row.
+//   rotary_write   rotary embedding of q and k in place, and the keys and values written to the cache.
+//   paged_attention  decode/prefill over the paged cache: keys stored transposed in each block
+//                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax.
+//   packed_attention  the same over keys packed with the queries (bidirectional encoders, no cache).
 //
 // Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots per
-// token (k_max of the batch), D hidden, I expert intermediate size, BS block size.
+// token, D hidden, I expert intermediate size, NB blocks, BS block size (a multiple of 16).
+// Cache layout: k_cache [NB, G, Dh, BS] (transposed within a block), v_cache [NB, G, BS, Dh].
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -38,108 +45,168 @@ inline __m512 load16m(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// ---- dot products ----------------------------------------------------------------------------------
-
-template <typename W>
-inline float dot(const float* x, const W* w, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), acc);
-  if (i < n) {
-    __mmask16 m = tail_mask(n - i);
-    acc = _mm512_fmadd_ps(load16m(w + i, m), _mm512_maskz_loadu_ps(m, x + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
+// exp for x <= 88 (Cephes-style range reduction and polynomial; ~1 ulp).
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
 }
 
-// y[m * ldy] = dot(x[m], w) for MB rows of x (stride ldx): the weight row is loaded once per 16 values.
-// Each row's dot product is the same sequence of operations as dot() above, whatever MB is.
-template <typename W, int MB>
-inline void dot_rows(const float* x, int64_t ldx, const W* w, int64_t n, float* y, int64_t ldy) {
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+bool small_work(int64_t work) { return work < (1 << 15); }  // below this, a thread handoff costs more
+
+// ---- dot-product blocks ------------------------------------------------------------------------------
+
+// C[m * ldc + n] = dot(X[m], W[n]) for MB rows of X and NB rows of W, over K: one accumulator per output,
+// the same FMA chain whatever MB and NB are.
+template <typename W, int MB, int NB>
+inline void micro(const float* X, int64_t ldx, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    __m512 wv = load16(w + k);
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i * ldx + k), acc[i]);
-  }
-  if (k < n) {
-    __mmask16 m = tail_mask(n - k);
-    __m512 wv = load16m(w + k, m);
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i * ldx + k), acc[i]);
-  }
-  for (int i = 0; i < MB; ++i) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
-}
-
-template <typename W>
-void dot_rows_any(const float* x, int64_t ldx, int64_t rows, const W* w, int64_t n, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + 8 <= rows; m += 8) dot_rows<W, 8>(x + m * ldx, ldx, w, n, y + m * ldy, ldy);
-  switch (rows - m) {
-    case 7: dot_rows<W, 7>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 6: dot_rows<W, 6>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 5: dot_rows<W, 5>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 4: dot_rows<W, 4>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 3: dot_rows<W, 3>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 2: dot_rows<W, 2>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    case 1: dot_rows<W, 1>(x + m * ldx, ldx, w, n, y + m * ldy, ldy); break;
-    default: break;
-  }
-}
-
-// Rows per parallel task: enough work to amortise scheduling, and all threads busy.
-int64_t grain_for(int64_t rows, int64_t cost_per_row) {
-  int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t by_threads = (rows + threads * 4 - 1) / (threads * 4);
-  int64_t by_cost = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row));
-  return std::max<int64_t>(1, std::min(by_threads, by_cost));
-}
-
-// ---- skinny linear ---------------------------------------------------------------------------------
-
-template <typename W>
-void skinny_linear_impl(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* y, int64_t N) {
-  at::parallel_for(0, N, grain_for(N, K * M), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      dot_rows_any<W>(x, K, M, w + r * K, K, y + r, N);
-      if (bias != nullptr)
-        for (int64_t m = 0; m < M; ++m) y[m * N + r] += bias[r];
+  for (; k + 16 <= K; k += 16) {
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load16(Wp + j * ldw + k);
+    for (int i = 0; i < MB; ++i) {
+      __m512 x = _mm512_loadu_ps(X + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
     }
-  });
+  }
+  if (k < K) {
+    __mmask16 m = tail_mask(K - k);
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load16m(Wp + j * ldw + k, m);
+    for (int i = 0; i < MB; ++i) {
+      __m512 x = _mm512_maskz_loadu_ps(m, X + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) C[i * ldc + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "skinny_linear: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: x must be float32");
+template <typename W, int NB>
+inline void micro_rows(const float* X, int64_t ldx, int64_t mb, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
+  switch (mb) {
+    case 4: micro<W, 4, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
+    case 3: micro<W, 3, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
+    case 2: micro<W, 2, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
+    default: micro<W, 1, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
+  }
+}
+
+// C[m, n] = dot(X[m], W[n]) for all M rows of X and rows [n0, n1) of W. W is read once: each block of 4 of
+// its rows stays in L1 while every row of X meets it.
+template <typename W>
+void dot_rows(const float* X, int64_t ldx, int64_t M, const W* Wp, int64_t K, int64_t n0, int64_t n1, float* C, int64_t ldc) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m = 0; m < M; m += 4)
+      micro_rows<W, 4>(X + m * ldx, ldx, std::min<int64_t>(4, M - m), Wp + n * K, K, K, C + m * ldc + n, ldc);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += 4)
+      micro_rows<W, 1>(X + m * ldx, ldx, std::min<int64_t>(4, M - m), Wp + n * K, K, K, C + m * ldc + n, ldc);
+}
+
+// Rows per parallel task: a multiple of 4, all threads busy.
+int64_t row_grain(int64_t rows) {
+  int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t grain = (rows + threads * 2 - 1) / (threads * 2);
+  return std::max<int64_t>(4, (grain + 3) / 4 * 4);
+}
+
+// ---- linear ------------------------------------------------------------------------------------------
+
+template <typename W>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* y, int64_t N) {
+  auto body = [&](int64_t n0, int64_t n1) {
+    dot_rows<W>(x, K, M, w, K, n0, n1, y, N);
+    if (bias != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+  };
+  if (small_work(M * N * K)) body(0, N);
+  else at::parallel_for(0, N, row_grain(N), body);
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: shapes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: x must be float32");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   auto y = torch::empty({M, N}, xc.options());
-  const float* b = nullptr;
   torch::Tensor bc;
+  const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     bc = bias->to(at::kFloat).contiguous();
     b = bc.data_ptr<float>();
   }
   if (wc.scalar_type() == at::kFloat) {
-    skinny_linear_impl<float>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), b, y.data_ptr<float>(), N);
+    linear_impl<float>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), b, y.data_ptr<float>(), N);
   } else {
-    TORCH_CHECK(wc.scalar_type() == at::kBFloat16, "skinny_linear: weight must be float32 or bfloat16");
-    skinny_linear_impl<bf16>(xc.data_ptr<float>(), M, K, wc.data_ptr<bf16>(), b, y.data_ptr<float>(), N);
+    TORCH_CHECK(wc.scalar_type() == at::kBFloat16, "linear: weight must be float32 or bfloat16");
+    linear_impl<bf16>(xc.data_ptr<float>(), M, K, wc.data_ptr<bf16>(), b, y.data_ptr<float>(), N);
   }
   return y;
 }
 
-// ---- MoE experts -----------------------------------------------------------------------------------
+// ---- MoE experts -------------------------------------------------------------------------------------
 
 enum Activation : int64_t { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
 
-inline float activate(float v, int64_t kind) {
+// erf, |error| < 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
+inline __m512 erf16(__m512 x) {
+  __m512 z = _mm512_abs_ps(x);
+  __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.f)));
+  const float c[] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f,
+                     0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f};
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < 10; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(c[i]));
+  __m512 erfc = _mm512_mul_ps(t, exp16(_mm512_sub_ps(p, _mm512_mul_ps(z, z))));
+  __m512 r = _mm512_sub_ps(_mm512_set1_ps(1.f), erfc);
+  return _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), r);
+}
+
+inline __m512 activate16(__m512 v, int64_t kind) {
+  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
   switch (kind) {
-    case RELU: return v > 0.f ? v : 0.f;
-    case GELU: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
-    case GELU_TANH: return 0.5f * v * (1.f + std::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-    default: return v / (1.f + std::exp(-v));
+    case RELU: return _mm512_max_ps(v, _mm512_setzero_ps());
+    case GELU: return _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, erf16(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)))));
+    case GELU_TANH: {
+      __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.79788456080286536f), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v));
+      __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(one, exp16(_mm512_add_ps(y, y)))));
+      return _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, tanh));
+    }
+    default: return _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+  }
+}
+
+// out[r0:r1] = act(out + b) [* (up + b3)], or out + b without act: 16 values at a time.
+inline void epilogue(float* out, const float* up, const float* b, const float* b3, int64_t n, int64_t act,
+                     bool gated, bool activated) {
+  for (int64_t r = 0; r < n; r += 16) {
+    __mmask16 m = tail_mask(n - r);
+    __m512 v = _mm512_maskz_loadu_ps(m, out + r);
+    if (b != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + r));
+    if (gated) {
+      __m512 u = _mm512_maskz_loadu_ps(m, up + r);
+      if (b3 != nullptr) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b3 + r));
+      v = _mm512_mul_ps(activate16(v, act), u);
+    } else if (activated) {
+      v = activate16(v, act);
+    }
+    _mm512_mask_storeu_ps(out + r, m, v);
   }
 }
 
@@ -147,44 +214,44 @@ struct Work {
   int64_t expert, r0, r1;  // rows [r0, r1) of the expert's output, for all of its slots
 };
 
-// out_rows[s, r] = dot(in_rows[s], w[e, r]) (+ bias[e, r]) for the slots s of expert e; gate: also the
-// second matrix, combined as act(first + b) * (second + b3). Small groups only (one task per row chunk).
+// out[s, r] for the slots s of each work item's expert: dot(in[s], w[e, r]) (+ b[e, r]); gated (w3): the
+// first matrix activated times the second; activate: act(first + b).
 template <typename W>
 void expert_matmul(const std::vector<Work>& work, const std::vector<int64_t>& offsets, const float* in, int64_t ldin,
-                   const W* w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols,
-                   int64_t act, bool activate_out, float* out, int64_t ldout) {
-  at::parallel_for(0, (int64_t)work.size(), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> tmp;
+                   const W* w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, int64_t act,
+                   bool activate_out, float* out, int64_t ldout, float* scratch) {
+  auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Work& job = work[i];
       int64_t s0 = offsets[job.expert], n = offsets[job.expert + 1] - s0;
-      tmp.resize(n);
-      for (int64_t r = job.r0; r < job.r1; ++r) {
-        const W* wr = w + (job.expert * rows + r) * cols;
-        float* y = out + s0 * ldout + r;
-        dot_rows_any<W>(in + s0 * ldin, ldin, n, wr, cols, y, ldout);
-        float bias = b != nullptr ? b[job.expert * rows + r] : 0.f;
-        if (w3 != nullptr) {
-          dot_rows_any<W>(in + s0 * ldin, ldin, n, w3 + (job.expert * rows + r) * cols, cols, tmp.data(), 1);
-          float bias3 = b3 != nullptr ? b3[job.expert * rows + r] : 0.f;
-          for (int64_t s = 0; s < n; ++s) y[s * ldout] = activate(y[s * ldout] + bias, act) * (tmp[s] + bias3);
-        } else if (activate_out) {
-          for (int64_t s = 0; s < n; ++s) y[s * ldout] = activate(y[s * ldout] + bias, act);
-        } else if (b != nullptr) {
-          for (int64_t s = 0; s < n; ++s) y[s * ldout] += bias;
-        }
-      }
+      const W* we = w + job.expert * rows * cols;
+      dot_rows<W>(in + s0 * ldin, ldin, n, we, cols, job.r0, job.r1, out + s0 * ldout, ldout);
+      if (w3 != nullptr)
+        dot_rows<W>(in + s0 * ldin, ldin, n, w3 + job.expert * rows * cols, cols, job.r0, job.r1,
+                    scratch + s0 * ldout, ldout);
+      const float* be = b != nullptr ? b + job.expert * rows + job.r0 : nullptr;
+      const float* b3e = b3 != nullptr ? b3 + job.expert * rows + job.r0 : nullptr;
+      for (int64_t s = s0; s < s0 + n; ++s)
+        epilogue(out + s * ldout + job.r0, w3 != nullptr ? scratch + s * ldout + job.r0 : nullptr, be, b3e,
+                 job.r1 - job.r0, act, w3 != nullptr, activate_out);
     }
-  });
+  };
+  if (work.size() <= 1) body(0, (int64_t)work.size());
+  else at::parallel_for(0, (int64_t)work.size(), 1, body);
 }
 
-torch::Tensor activation_tensor(const torch::Tensor& v, int64_t act) {
-  switch (act) {
-    case RELU: return torch::relu(v);
-    case GELU: return torch::gelu(v);
-    case GELU_TANH: return torch::gelu(v, "tanh");
-    default: return torch::silu(v);
-  }
+// Split each expert's output rows into tasks so both threads stay busy however many experts are active.
+std::vector<Work> plan(const std::vector<int64_t>& offsets, int64_t rows, int64_t inner) {
+  int64_t E = (int64_t)offsets.size() - 1, slots = offsets[E], active = 0;
+  for (int64_t e = 0; e < E; ++e) active += offsets[e + 1] > offsets[e];
+  int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t pieces = small_work(slots * rows * inner) ? 1 : std::max<int64_t>(1, (threads * 4 + active - 1) / std::max<int64_t>(active, 1));
+  int64_t chunk = std::max<int64_t>(4, ((rows + pieces - 1) / pieces + 3) / 4 * 4);
+  std::vector<Work> work;
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t r = 0; r < rows; r += chunk) work.push_back({e, r, std::min(rows, r + chunk)});
+  return work;
 }
 
 // x [T, D] f32; topk_ids [T, K] int64 (-1: unused slot); topk_weights [T, K] f32;
@@ -193,8 +260,7 @@ torch::Tensor activation_tensor(const torch::Tensor& v, int64_t act) {
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                           const torch::Tensor& w1, const c10::optional<torch::Tensor>& b1,
                           const c10::optional<torch::Tensor>& w3, const c10::optional<torch::Tensor>& b3,
-                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act,
-                          int64_t big_group) {
+                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat, "moe_experts: float32 x");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "moe_experts: int64 topk_ids");
   auto xc = x.contiguous();
@@ -202,6 +268,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
   auto weights = topk_weights.contiguous();
   int64_t T = xc.size(0), D = xc.size(1), K = ids.size(1), E = w1.size(0), I = w1.size(1);
   TORCH_CHECK(w1.size(2) == D && w2.size(1) == D && w2.size(2) == I, "moe_experts: weight shapes");
+  TORCH_CHECK(w1.is_contiguous() && w2.is_contiguous(), "moe_experts: contiguous weights");
   const int64_t* idp = ids.data_ptr<int64_t>();
 
   // Slots grouped by expert, in (token, slot) order inside each group: a counting sort.
@@ -214,8 +281,11 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
   int64_t S = offsets[E];
   std::vector<int64_t> slot_of(T * K, -1), next(offsets.begin(), offsets.end() - 1);
-  auto xs = torch::empty({S, D}, xc.options());
-  float* xsp = xs.data_ptr<float>();
+  auto buffers = torch::empty({S * (D + 3 * I + D)}, xc.options());  // xs [S, D], h [S, I], up [S, I], ys [S, D]
+  float* xsp = buffers.data_ptr<float>();
+  float* hp = xsp + S * D;
+  float* upp = hp + S * I;
+  float* ysp = upp + S * I;
   const float* xp = xc.data_ptr<float>();
   for (int64_t i = 0; i < T * K; ++i)
     if (idp[i] >= 0) {
@@ -224,8 +294,6 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
       std::copy(xp + (i / K) * D, xp + (i / K + 1) * D, xsp + s * D);
     }
 
-  auto h = torch::empty({S, I}, xc.options());
-  auto ys = torch::empty({S, D}, xc.options());
   auto opt = [](const c10::optional<torch::Tensor>& t) { return t.has_value() && t->defined(); };
   torch::Tensor b1f = opt(b1) ? b1->to(at::kFloat).contiguous() : torch::Tensor();
   torch::Tensor b3f = opt(b3) ? b3->to(at::kFloat).contiguous() : torch::Tensor();
@@ -233,196 +301,342 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
   const float* b1p = b1f.defined() ? b1f.data_ptr<float>() : nullptr;
   const float* b3p = b3f.defined() ? b3f.data_ptr<float>() : nullptr;
   const float* b2p = b2f.defined() ? b2f.data_ptr<float>() : nullptr;
-  auto w1c = w1.contiguous(), w2c = w2.contiguous();
-  torch::Tensor w3c = opt(w3) ? w3->contiguous() : torch::Tensor();
-
-  // Big groups (prefill) go to MKL; the others stream their expert's weights once (skinny).
-  std::vector<Work> up_work, down_work;
-  int64_t up_grain = grain_for(I, D * 2), down_grain = grain_for(D, I * 2);
-  for (int64_t e = 0; e < E; ++e) {
-    int64_t n = offsets[e + 1] - offsets[e];
-    if (n == 0) continue;
-    if (n > big_group) {
-      auto xe = xs.narrow(0, offsets[e], n);
-      auto pre = torch::matmul(xe, w1c[e].to(at::kFloat).t());
-      if (b1f.defined()) pre += b1f[e];
-      auto he = activation_tensor(pre, act);
-      if (w3c.defined()) {
-        auto up = torch::matmul(xe, w3c[e].to(at::kFloat).t());
-        if (b3f.defined()) up += b3f[e];
-        he = he * up;
-      }
-      h.narrow(0, offsets[e], n).copy_(he);
-      auto ye = torch::matmul(he, w2c[e].to(at::kFloat).t());
-      if (b2f.defined()) ye += b2f[e];
-      ys.narrow(0, offsets[e], n).copy_(ye);
-      continue;
-    }
-    for (int64_t r = 0; r < I; r += up_grain) up_work.push_back({e, r, std::min(I, r + up_grain)});
-    for (int64_t r = 0; r < D; r += down_grain) down_work.push_back({e, r, std::min(D, r + down_grain)});
-  }
-  float* hp = h.data_ptr<float>();
-  float* ysp = ys.data_ptr<float>();
-  if (w1c.scalar_type() == at::kFloat) {
-    const float* w3p = w3c.defined() ? w3c.data_ptr<float>() : nullptr;
-    expert_matmul<float>(up_work, offsets, xsp, D, w1c.data_ptr<float>(), b1p, w3p, b3p, I, D, act, true, hp, I);
-    expert_matmul<float>(down_work, offsets, hp, I, w2c.data_ptr<float>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D);
+  bool gated = opt(w3);
+  std::vector<Work> up_work = plan(offsets, I, D), down_work = plan(offsets, D, I);
+  if (w1.scalar_type() == at::kFloat) {
+    const float* w3p = gated ? w3->data_ptr<float>() : nullptr;
+    expert_matmul<float>(up_work, offsets, xsp, D, w1.data_ptr<float>(), b1p, w3p, b3p, I, D, act, true, hp, I, upp);
+    expert_matmul<float>(down_work, offsets, hp, I, w2.data_ptr<float>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D, nullptr);
   } else {
-    TORCH_CHECK(w1c.scalar_type() == at::kBFloat16, "moe_experts: weights must be float32 or bfloat16");
-    const bf16* w3p = w3c.defined() ? w3c.data_ptr<bf16>() : nullptr;
-    expert_matmul<bf16>(up_work, offsets, xsp, D, w1c.data_ptr<bf16>(), b1p, w3p, b3p, I, D, act, true, hp, I);
-    expert_matmul<bf16>(down_work, offsets, hp, I, w2c.data_ptr<bf16>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D);
+    TORCH_CHECK(w1.scalar_type() == at::kBFloat16, "moe_experts: weights must be float32 or bfloat16");
+    const bf16* w3p = gated ? w3->data_ptr<bf16>() : nullptr;
+    expert_matmul<bf16>(up_work, offsets, xsp, D, w1.data_ptr<bf16>(), b1p, w3p, b3p, I, D, act, true, hp, I, upp);
+    expert_matmul<bf16>(down_work, offsets, hp, I, w2.data_ptr<bf16>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D, nullptr);
   }
 
   // Combine each token's slots in slot order with their weights: no atomics, batch-independent.
   auto out = torch::zeros({T, D}, xc.options());
   float* op = out.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
-  at::parallel_for(0, T, grain_for(T, D * K), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < K; ++j) {
-        int64_t s = slot_of[t * K + j];
-        if (s < 0) continue;
-        float wt = wp[t * K + j];
-        const float* y = ysp + s * D;
-        float* o = op + t * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
-      }
-  });
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t s = slot_of[t * K + j];
+      if (s < 0) continue;
+      float wt = wp[t * K + j];
+      const float* y = ysp + s * D;
+      float* o = op + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
+    }
   return out;
 }
 
-// ---- attention -------------------------------------------------------------------------------------
+// ---- routing -----------------------------------------------------------------------------------------
 
-// Where the keys and values of a sequence live: a paged cache (block tables) or packed with the queries.
-struct PagedKV {
-  const float* k;
-  const float* v;
-  const int32_t* block_tables;
-  int64_t max_blocks, block_size, G, Dh;
-  inline int64_t row(int64_t seq, int64_t j, int64_t g) const {
-    int64_t block = block_tables[seq * max_blocks + j / block_size];
-    return ((block * block_size + j % block_size) * G + g) * Dh;
-  }
-};
+enum RouteMode : int64_t { SOFTMAX_CHOSEN = 0, SOFTMAX_ALL = 1, UNIFORM = 2 };
 
-struct PackedKV {
-  const float* k;
-  const float* v;
-  const int64_t* starts;  // first row of each sequence
-  int64_t G, Dh;
-  inline int64_t row(int64_t seq, int64_t j, int64_t g) const { return ((starts[seq] + j) * G + g) * Dh; }
-};
-
-constexpr int64_t kChunk = 32;  // keys scored before the running maximum is updated
-
-// One (query token, head): softmax(q . k_j * scale + rel_j) v over the visible keys, online.
-template <typename KV>
-void attend_one(const KV& kv, int64_t seq, int64_t g, int64_t num_keys, const float* q, const float* q_rel,
-                const float* r_k, int64_t rel_stride, int64_t rel_index0, float scale, float* out, float* acc) {
-  const int64_t Dh = kv.Dh;
-  float m = -INFINITY, l = 0.f;
-  std::fill(acc, acc + Dh, 0.f);
-  float scores[kChunk];
-  for (int64_t j0 = 0; j0 < num_keys; j0 += kChunk) {
-    int64_t n = std::min(kChunk, num_keys - j0);
-    float chunk_max = -INFINITY;
-    for (int64_t c = 0; c < n; ++c) {
-      int64_t j = j0 + c;
-      float s = dot(q, kv.k + kv.row(seq, j, g), Dh);
-      if (r_k != nullptr) s += dot(q_rel, r_k + (rel_index0 - j) * rel_stride, Dh);
-      s *= scale;
-      scores[c] = s;
-      chunk_max = std::max(chunk_max, s);
+// logits [R, N] f32, top_k [R] int64 -> (ids [R, max_k] int64, -1 beyond a row's k; weights [R, max_k] f32).
+std::vector<torch::Tensor> topk_route(const torch::Tensor& logits, const torch::Tensor& top_k, int64_t max_k, int64_t mode) {
+  auto lc = logits.contiguous();
+  auto kc = top_k.to(at::kLong).contiguous();
+  int64_t R = lc.size(0), N = lc.size(1);
+  auto ids = torch::full({R, max_k}, -1, lc.options().dtype(at::kLong));
+  auto weights = torch::zeros({R, max_k}, lc.options());
+  const float* lp = lc.data_ptr<float>();
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  std::vector<int64_t> order(N);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = lp + r * N;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+    int64_t k = std::min(kp[r], max_k);
+    float peak = row[order[0]], total = 0.f;
+    if (mode == SOFTMAX_ALL)
+      for (int64_t n = 0; n < N; ++n) total += std::exp(row[n] - peak);
+    else if (mode == SOFTMAX_CHOSEN)
+      for (int64_t j = 0; j < k; ++j) total += std::exp(row[order[j]] - peak);
+    for (int64_t j = 0; j < k; ++j) {
+      ip[r * max_k + j] = order[j];
+      wp[r * max_k + j] = mode == UNIFORM ? 1.f / (float)kp[r] : std::exp(row[order[j]] - peak) / total;
     }
-    if (chunk_max > m) {
-      float correction = std::exp(m - chunk_max);
+  }
+  return {ids, weights};
+}
+
+// ---- norms -------------------------------------------------------------------------------------------
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  auto xc = x.contiguous();
+  int64_t D = xc.size(-1), rows = xc.numel() / D;
+  auto out = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * D;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) { __m512 v = _mm512_loadu_ps(xr + d); acc = _mm512_fmadd_ps(v, v, acc); }
+      if (d < D) { __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - d), xr + d); acc = _mm512_fmadd_ps(v, v, acc); }
+      float scale = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)D + (float)eps);
+      for (d = 0; d < D; ++d) op[r * D + d] = wp[d] * (xr[d] * scale);
+    }
+  };
+  if (small_work(rows * D)) body(0, rows);
+  else at::parallel_for(0, rows, std::max<int64_t>(1, rows / (2 * at::get_num_threads())), body);
+  return out;
+}
+
+// ---- rotary embedding and the KV cache ---------------------------------------------------------------
+
+// x [T, H, Dh] in place: HF's rotate-half convention, cos/sin [T, Dh] (their two halves equal).
+void rotary_inplace(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  int64_t T = x.size(0), H = x.size(1), Dh = x.size(2), half = Dh / 2;
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = xp + (t * H + h) * Dh;
+      const float* c = cp + t * Dh;
+      const float* s = sp + t * Dh;
+      for (int64_t d = 0; d < half; ++d) {
+        float a = v[d], b = v[d + half];
+        v[d] = a * c[d] - b * s[d];
+        v[d + half] = b * c[d + half] + a * s[d + half];
+      }
+    }
+}
+
+void write_cache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                 const torch::Tensor& slot_mapping) {
+  int64_t T = k.size(0), G = k.size(1), Dh = k.size(2), BS = k_cache.size(3);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t block = slots[t] / BS, off = slots[t] % BS;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* kr = kp + (t * G + g) * Dh;
+      float* kb = kc + ((block * G + g) * Dh) * BS + off;  // [Dh, BS] within the block
+      for (int64_t d = 0; d < Dh; ++d) kb[d * BS] = kr[d];
+      std::copy(vp + (t * G + g) * Dh, vp + (t * G + g + 1) * Dh, vc + ((block * G + g) * BS + off) * Dh);
+    }
+  }
+}
+
+// q [T, H, Dh], k/v [T, G, Dh] (contiguous, float32): rotary on q and k in place (when cos is given), then
+// k and v stored at their slots of the cache.
+void rotary_write(torch::Tensor q, torch::Tensor k, const torch::Tensor& v, const c10::optional<torch::Tensor>& cos,
+                  const c10::optional<torch::Tensor>& sin, c10::optional<torch::Tensor> k_cache,
+                  c10::optional<torch::Tensor> v_cache, const c10::optional<torch::Tensor>& slot_mapping) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "rotary_write: contiguous q, k, v");
+  if (cos.has_value() && cos->defined()) {
+    auto c = cos->contiguous(), s = sin->contiguous();
+    rotary_inplace(q, c, s);
+    rotary_inplace(k, c, s);
+  }
+  if (k_cache.has_value() && k_cache->defined()) write_cache(k, v, *k_cache, *v_cache, *slot_mapping);
+}
+
+// ---- attention ---------------------------------------------------------------------------------------
+
+// Online-softmax state of one (query, head): running max, normaliser and weighted values.
+struct Softmax {
+  float m = -INFINITY, l = 0.f;
+  float* acc;
+  int64_t Dh;
+  // scores s (16 keys, invalid lanes masked out) with their values at v + c * v_stride.
+  inline void add16(__m512 s, __mmask16 valid, const float* v, int64_t v_stride) {
+    if (!valid) return;
+    float block_max = _mm512_mask_reduce_max_ps(valid, s);
+    if (block_max > m) {
+      float correction = m == -INFINITY ? 0.f : std::exp(m - block_max);
       for (int64_t d = 0; d < Dh; ++d) acc[d] *= correction;
       l *= correction;
-      m = chunk_max;
+      m = block_max;
     }
-    for (int64_t c = 0; c < n; ++c) {
-      float p = std::exp(scores[c] - m);
-      l += p;
-      const float* v = kv.v + kv.row(seq, j0 + c, g);
-      __m512 pv = _mm512_set1_ps(p);
+    __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    l += _mm512_reduce_add_ps(p);
+    alignas(64) float pc[16];
+    _mm512_store_ps(pc, p);
+    for (int c = 0; c < 16; ++c) {
+      if (!((valid >> c) & 1)) continue;
+      __m512 pv = _mm512_set1_ps(pc[c]);
+      const float* vr = v + c * v_stride;
       int64_t d = 0;
       for (; d + 16 <= Dh; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
-      for (; d < Dh; ++d) acc[d] += p * v[d];
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + d), _mm512_loadu_ps(acc + d)));
+      if (d < Dh) {
+        __mmask16 m2 = tail_mask(Dh - d);
+        _mm512_mask_storeu_ps(acc + d, m2, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m2, vr + d), _mm512_maskz_loadu_ps(m2, acc + d)));
+      }
     }
   }
-  float inv = l > 0.f ? 1.f / l : 0.f;
-  for (int64_t d = 0; d < Dh; ++d) out[d] = acc[d] * inv;
-}
+  inline void finish(float* out) const {
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < Dh; ++d) out[d] = acc[d] * inv;
+  }
+};
 
-// q [T, H, Dh]; seq_ids [T] (int64) the sequence of each query; positions [T] (int64) its position;
-// num_keys_of [S] keys of each sequence (bidirectional: all of them; causal: position + 1 at most).
-// Relative (Transformer-XL): q_rel [T, H, Dh] = q + r_r_bias and r_k [R, H, Dh] with row
-// position - j + rel_offset for key j.
-template <typename KV>
-torch::Tensor attention_impl(const KV& kv, const torch::Tensor& q, const torch::Tensor& seq_ids,
-                             const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
-                             double scale, const c10::optional<torch::Tensor>& q_rel,
-                             const c10::optional<torch::Tensor>& r_k, int64_t rel_offset) {
-  auto qc = q.contiguous();
-  int64_t T = qc.size(0), H = qc.size(1), Dh = qc.size(2), group = H / kv.G;
-  auto out = torch::empty_like(qc);
-  const int64_t* sp = seq_ids.data_ptr<int64_t>();
-  const int64_t* pp = positions.data_ptr<int64_t>();
-  const int64_t* np = num_keys_of.data_ptr<int64_t>();
-  torch::Tensor qr, rk;
-  const float* qrp = nullptr;
-  const float* rkp = nullptr;
-  if (r_k.has_value() && r_k->defined()) {
-    qr = q_rel->contiguous();
-    rk = r_k->contiguous();
-    qrp = qr.data_ptr<float>();
-    rkp = rk.data_ptr<float>();
+// Relative term for 16 consecutive keys j0..j0+15: sum_d q_rel[d] * rkt[d][index0 - j], rkt [Dh, R]
+// (this head's projected sinusoid of each distance), index0 = position + offset.
+inline __m512 relative16(const float* q_rel, const float* rkt, int64_t R, int64_t Dh, int64_t index0, int64_t j0, __mmask16 valid) {
+  // lanes c = 0..15 read distance index0 - j0 - c: a reversed contiguous range [lo, lo + 16).
+  int64_t lo = index0 - j0 - 15;
+  const __m512i reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 in_range = 0;
+  for (int c = 0; c < 16; ++c) {
+    int64_t idx = lo + c;
+    if (idx >= 0 && idx < R) in_range |= (__mmask16)(1u << c);
   }
-  const float* qp = qc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> acc(Dh);
-    for (int64_t i = i0; i < i1; ++i) {
-      int64_t t = i / H, h = i % H, seq = sp[t], pos = pp[t];
-      int64_t num_keys = causal ? std::min(pos + 1, np[seq]) : np[seq];
-      attend_one(kv, seq, h / group, num_keys, qp + i * Dh, qrp ? qrp + i * Dh : nullptr,
-                 rkp ? rkp + h * Dh : nullptr, H * Dh, pos + rel_offset, (float)scale, op + i * Dh, acc.data());
-    }
-  });
-  return out;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < Dh; ++d) {
+    __m512 r = _mm512_maskz_loadu_ps(in_range, rkt + d * R + lo);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(q_rel[d]), r, acc);
+  }
+  return _mm512_maskz_mov_ps(valid, _mm512_permutexvar_ps(reverse, acc));
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_ids,
                               const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                               double scale, const c10::optional<torch::Tensor>& q_rel,
-                              const c10::optional<torch::Tensor>& r_k, int64_t rel_offset) {
+                              const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: contiguous cache");
+  int64_t G = k_cache.size(1), Dh = k_cache.size(2), BS = k_cache.size(3);
+  TORCH_CHECK(BS % 16 == 0, "attention: the block size must be a multiple of 16");
+  auto qc = q.contiguous();
+  int64_t T = qc.size(0), H = qc.size(1), group = H / G;
   auto tables = block_tables.to(at::kInt).contiguous();
-  PagedKV kv{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), tables.size(1),
-             k_cache.size(1), k_cache.size(2), k_cache.size(3)};
-  return attention_impl(kv, q, seq_ids, positions, num_keys_of, causal, scale, q_rel, r_k, rel_offset);
+  int64_t width = tables.size(1);
+  auto out = torch::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t* sp = seq_ids.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* np = num_keys_of.data_ptr<int64_t>();
+  torch::Tensor qr, rk;
+  const float* qrp = nullptr;
+  const float* rkp = nullptr;
+  int64_t R = 0;
+  if (r_kt.has_value() && r_kt->defined()) {
+    qr = q_rel->contiguous();
+    rk = r_kt->contiguous();  // [H, Dh, R]
+    qrp = qr.data_ptr<float>();
+    rkp = rk.data_ptr<float>();
+    R = rk.size(2);
+  }
+  float* op = out.data_ptr<float>();
+  const float fscale = (float)scale;
+  auto body = [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(Dh), qs(Dh), qrs(Dh);
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t t = i / H, h = i % H, g = h / group, seq = sp[t], pos = pp[t];
+      int64_t num_keys = causal ? std::min(pos + 1, np[seq]) : np[seq];
+      for (int64_t d = 0; d < Dh; ++d) qs[d] = qp[i * Dh + d];
+      if (qrp != nullptr)
+        for (int64_t d = 0; d < Dh; ++d) qrs[d] = qrp[i * Dh + d];
+      Softmax sm{-INFINITY, 0.f, acc.data(), Dh};
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+        int64_t block = tp[seq * width + j0 / BS], off = j0 % BS;
+        const float* kt = kc + ((block * G + g) * Dh) * BS + off;  // [Dh, BS], columns off..off+15
+        const float* vb = vc + ((block * G + g) * BS + off) * Dh;
+        __mmask16 valid = tail_mask(num_keys - j0);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dh; ++d) s = _mm512_fmadd_ps(_mm512_set1_ps(qs[d]), _mm512_loadu_ps(kt + d * BS), s);
+        if (rkp != nullptr) s = _mm512_add_ps(s, relative16(qrs.data(), rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
+        sm.add16(_mm512_mul_ps(s, _mm512_set1_ps(fscale)), valid, vb, Dh);
+      }
+      sm.finish(op + i * Dh);
+    }
+  };
+  if (small_work(T * H * Dh * 16)) body(0, T * H);
+  else at::parallel_for(0, T * H, 1, body);
+  return out;
 }
 
+// Keys packed with the queries ([T, G, Dh], each sequence's rows from seq_starts): a gather of 16 keys'
+// dot products at a time, then the same online softmax.
 torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& seq_starts, const torch::Tensor& seq_ids,
                                const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                                double scale, const c10::optional<torch::Tensor>& q_rel,
-                               const c10::optional<torch::Tensor>& r_k, int64_t rel_offset) {
+                               const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "attention: float32 only");
-  auto kc = k.contiguous(), vc = v.contiguous();
-  PackedKV kv{kc.data_ptr<float>(), vc.data_ptr<float>(), seq_starts.data_ptr<int64_t>(), kc.size(1), kc.size(2)};
-  return attention_impl(kv, q, seq_ids, positions, num_keys_of, causal, scale, q_rel, r_k, rel_offset);
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  int64_t T = qc.size(0), H = qc.size(1), Dh = qc.size(2), G = kc.size(1), group = H / G;
+  auto out = torch::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const int64_t* starts = seq_starts.data_ptr<int64_t>();
+  const int64_t* sp = seq_ids.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* np = num_keys_of.data_ptr<int64_t>();
+  torch::Tensor qr, rk;
+  const float* qrp = nullptr;
+  const float* rkp = nullptr;
+  int64_t R = 0;
+  if (r_kt.has_value() && r_kt->defined()) {
+    qr = q_rel->contiguous();
+    rk = r_kt->contiguous();
+    qrp = qr.data_ptr<float>();
+    rkp = rk.data_ptr<float>();
+    R = rk.size(2);
+  }
+  float* op = out.data_ptr<float>();
+  const float fscale = (float)scale;
+  auto body = [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(Dh);
+    alignas(64) float scores[16];
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t t = i / H, h = i % H, g = h / group, seq = sp[t], pos = pp[t];
+      int64_t num_keys = causal ? std::min(pos + 1, np[seq]) : np[seq];
+      const float* qi = qp + i * Dh;
+      Softmax sm{-INFINITY, 0.f, acc.data(), Dh};
+      std::fill(acc.begin(), acc.end(), 0.f);
+      int64_t row0 = starts[seq];
+      for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+        __mmask16 valid = tail_mask(num_keys - j0);
+        for (int c = 0; c < 16; ++c) {
+          if (j0 + c >= num_keys) { scores[c] = 0.f; continue; }
+          const float* kr = kp + ((row0 + j0 + c) * G + g) * Dh;
+          __m512 a = _mm512_setzero_ps();
+          int64_t d = 0;
+          for (; d + 16 <= Dh; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + d), _mm512_loadu_ps(kr + d), a);
+          if (d < Dh) { __mmask16 m = tail_mask(Dh - d); a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qi + d), _mm512_maskz_loadu_ps(m, kr + d), a); }
+          scores[c] = _mm512_reduce_add_ps(a);
+        }
+        __m512 s = _mm512_load_ps(scores);
+        if (rkp != nullptr) s = _mm512_add_ps(s, relative16(qrp + i * Dh, rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
+        sm.add16(_mm512_mul_ps(s, _mm512_set1_ps(fscale)), valid, vp + ((row0 + j0) * G + g) * Dh, G * Dh);
+      }
+      sm.finish(op + i * Dh);
+    }
+  };
+  if (small_work(T * H * Dh * 16)) body(0, T * H);
+  else at::parallel_for(0, T * H, 1, body);
+  return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "y = x W^T + b, streaming W once (few rows of x)");
+  m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV cache, online softmax");
+  m.def("topk_route", &topk_route, "top-k experts per row and their weights");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
+  m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");
   m.def("packed_attention", &packed_attention, "attention over packed (varlen) keys, online softmax");
 }

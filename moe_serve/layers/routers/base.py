@@ -46,16 +46,27 @@ class RouterState:
 
     cache: torch.Tensor  # [NB * BS, state_size]
     batch: AttentionBatch  # the step's tokens: sequences, positions, block tables, slot mapping
+    block_size: int
+
+    def rows_of(self, seq: int, num_tokens: int) -> torch.Tensor:
+        """The state rows of a sequence's first num_tokens tokens, in order: [num_tokens] int64."""
+        positions = torch.arange(num_tokens, device=self.cache.device)
+        table = self.batch.block_tables[seq].long()  # type: ignore[index]
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
 
 class Router(ABC):
     kind: str = ""
-    state_size: int = 0  # floats kept per token in the cache (0: stateless)
     per_sequence: bool = False  # one decision per whole input: the MoE block routes its pooled mean
 
     def __init__(self, config: RouterConfig, num_experts: int) -> None:
         self.config = config
         self.num_experts = num_experts
+
+    @classmethod
+    def state_size(cls, num_experts: int) -> int:
+        """Floats the kind keeps per token in the paged cache for the later tokens of the sequence (0: none)."""
+        return 0
 
     @abstractmethod
     def route(
@@ -67,12 +78,3 @@ class Router(ABC):
     def is_approximate(cls, k: int, num_experts: int) -> bool:
         """Whether k is outside what the method defines exactly (flagged in responses)."""
         return False
-
-
-def top_experts(
-    logits: torch.Tensor, top_k: torch.Tensor, max_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The max_k largest logits per row, ties to the lower index -> (logits [R, K], ids [R, K], used [R, K])."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    used = torch.arange(max_k, device=logits.device)[None, :] < top_k[:, None]
-    return sorted_logits[:, :max_k], order[:, :max_k], used

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.layers.routers.base import Router, RouterState, register, top_experts
+from moe_serve.kernels import ops
+from moe_serve.layers.routers.base import Router, RouterState, register
 
 
 @register("soft_merge")
@@ -16,9 +17,7 @@ class SoftMerge(Router):
     def route(
         self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        topk_logits, topk_ids, used = top_experts(logits, top_k, max_k)
-        weights = torch.softmax(topk_logits.masked_fill(~used, float("-inf")), dim=-1)
-        return topk_ids.masked_fill(~used, -1), weights
+        return ops.topk_route(logits, top_k, max_k, "softmax_chosen")
 
     @classmethod
     def is_approximate(cls, k: int, num_experts: int) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.layers.routers.base import Router, RouterState, register, top_experts
+from moe_serve.kernels import ops
+from moe_serve.layers.routers.base import Router, RouterState, register
 
 
 @register("topk_uniform")
@@ -12,5 +13,4 @@ class TopKUniform(Router):
     def route(
         self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _, topk_ids, used = top_experts(logits, top_k, max_k)
-        return topk_ids.masked_fill(~used, -1), used.float() / top_k[:, None].float()
+        return ops.topk_route(logits, top_k, max_k, "uniform")

@@ -1,0 +1,134 @@
+"""One engine's greedy generation throughput on one model, run inside a worker process (one engine per
+process: their threads, caches and compilers never meet). Prompts are random token ids; every request
+generates exactly `new_tokens` tokens (EOS ignored); one warm-up run precedes the timed ones.
+
+    python -m benchmarks.engines ENGINE MODEL_DIR --batches 1,16,64 --ks 2 --reps 3 [--threads 2]
+
+ENGINE: moe-serve (MODEL_DIR is an artifact), hf or vllm / vllm-eager (MODEL_DIR is the Hugging Face
+checkpoint). Prints one JSON document: {"<k>": {"<batch>": [tok/s of each rep]}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+
+Runner = Callable[[list[list[int]], int], None]  # (prompts, k) -> generate new_tokens for each
+
+
+def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int) -> Runner:
+    from moe_serve import LLM, EngineConfig, SamplingParams
+
+    llm = LLM(model_dir, EngineConfig(max_num_seqs=max_batch))
+
+    def run(prompts: list[list[int]], k: int) -> None:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)
+        outs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+
+    return run
+
+
+def hf_runner(model_dir: str, new_tokens: int, max_batch: int) -> Runner:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(prompts: list[list[int]], k: int) -> None:
+        for module in model.modules():  # Mixtral reads top_k when it routes; a load-time constant otherwise
+            if hasattr(module, "top_k"):
+                module.top_k = k
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+            )
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    return run
+
+
+def vllm_runner(model_dir: str, new_tokens: int, max_batch: int, eager: bool, k: int) -> Runner:
+    """vLLM fixes k when it loads the model (`hf_overrides`): one worker process per k."""
+    from vllm import LLM, SamplingParams
+
+    memory_share = float(os.environ.get("BENCH_VLLM_MEMORY", "0.4"))  # vLLM's CPU KV cache takes this share of RAM
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        gpu_memory_utilization=memory_share,
+        enforce_eager=eager,
+        max_model_len=1024,
+        max_num_seqs=max_batch,
+        seed=0,
+        hf_overrides={"num_experts_per_tok": k},
+    )
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0)
+
+    def run(prompts: list[list[int]], run_k: int) -> None:
+        assert run_k == k, "one vLLM process per k"
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+
+    return run
+
+
+def measure(
+    run: Runner, batches: list[int], ks: list[int], reps: int, prompt_len: int, new_tokens: int, vocab: int
+) -> dict[str, dict[str, list[float]]]:
+    rng = random.Random(0)
+    results: dict[str, dict[str, list[float]]] = {}
+    for k in ks:
+        for batch in batches:
+            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            run(prompts[:1], k)  # warm-up (and, for compiled engines, compilation)
+            rates = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                run(prompts, k)
+                rates.append(batch * new_tokens / (time.perf_counter() - start))
+            results.setdefault(str(k), {})[str(batch)] = rates
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine", choices=["moe-serve", "hf", "vllm", "vllm-eager"])
+    parser.add_argument("model_dir")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--ks", default="2")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=257, help="prompt token ids are drawn below this")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.engine in ("moe-serve", "hf"):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.engine == "moe-serve":
+        run = moe_serve_runner(args.model_dir, args.new_tokens, max(batches))
+    elif args.engine == "hf":
+        run = hf_runner(args.model_dir, args.new_tokens, max(batches))
+    else:
+        if len(ks) != 1:
+            parser.error("vllm fixes k at load: give one --ks value per process")
+        run = vllm_runner(args.model_dir, args.new_tokens, max(batches), args.engine == "vllm-eager", ks[0])
+    results = measure(run, batches, ks, args.reps, args.prompt_len, args.new_tokens, args.vocab)
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

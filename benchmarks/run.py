@@ -1,0 +1,234 @@
+"""The side-by-side benchmark (DESIGN §10), one command, every engine in the same run on the same machine:
+
+    python -m benchmarks.run [--models tiny,medium] [--engines moe-serve,hf,vllm,vllm-eager] [--reps 3]
+
+- greedy tokens/s of moe-serve, Hugging Face transformers `generate` and vLLM (CPU build; compiled and
+  eager) on a tiny and a medium Mixtral-format model, batch 1, 16 and 64, `--reps` runs (min/median/max);
+- per-k decode cost on the medium model (ms per token at batch 1, per step at batch 16);
+- the memory-bandwidth roofline (measured copy bandwidth / bytes one batch-1 decode step reads at k) and
+  each engine's fraction of it;
+- mixed traffic (64 concurrent vs sequential requests over HTTP), the stall when a 512-token prompt joins 16
+  decodes, and KV memory allocated against its budget.
+
+Each engine runs in its own process. vLLM comes from the `bench` extra (`make bench` installs it in
+.venv-bench); an engine that cannot be imported is reported as missing, not silently dropped. Results go
+to benchmarks/results/latest.json, and a markdown summary is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import bandwidth, mixed
+from benchmarks.models import BenchModel, build
+
+ROOT = Path(__file__).resolve().parent
+ENGINES = ("moe-serve", "hf", "vllm", "vllm-eager")
+
+
+def run_worker(
+    engine: str, model: BenchModel, batches: list[int], ks: list[int], reps: int, new_tokens: int, timeout: int
+) -> dict | str:
+    """{k: {batch: [tok/s ...]}}, or the reason it could not run."""
+    model_dir = model.artifact if engine == "moe-serve" else model.hf_dir
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.engines",
+        engine,
+        str(model_dir),
+        "--batches",
+        ",".join(map(str, batches)),
+        "--ks",
+        ",".join(map(str, ks)),
+        "--reps",
+        str(reps),
+        "--new-tokens",
+        str(new_tokens),
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT.parent)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout} s"
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULTS "):
+            return json.loads(line.removeprefix("RESULTS "))
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return "failed: " + " | ".join(tail)
+
+
+def summary(rates: list[float]) -> dict[str, float]:
+    return {"min": min(rates), "median": statistics.median(rates), "max": max(rates)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,medium")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--k-sweep", default="1,2,4,8,16", help="ks of the per-k cost on the medium model")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: throughput,ksweep,mixed")
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "latest.json")
+    parser.add_argument("--timeout", type=int, default=3600)
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    engines = args.engines.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": vars(args) | {"cache": str(args.cache), "out": str(args.out)},
+    }
+    report["bandwidth"] = bandwidth.copy_bandwidth()
+    models = {name: build(name, args.cache) for name in args.models.split(",")}
+
+    if "throughput" not in skip:
+        report["throughput"] = {}
+        for name, model in models.items():
+            k = model.config["num_experts_per_tok"]
+            for engine in engines:
+                result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
+                cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+                report["throughput"].setdefault(name, {})[engine] = cell
+                print(f"{name} {engine}: {cell}", flush=True)
+
+    if "ksweep" not in skip and "medium" in models:
+        model = models["medium"]
+        ks = [int(k) for k in args.k_sweep.split(",")]
+        report["k_sweep"] = {}
+        for engine in engines:
+            runs = [(engine, ks)] if engine in ("moe-serve", "hf") else [(engine, [k]) for k in ks]
+            for name, run_ks in runs:
+                result = run_worker(name, model, [1, 16], run_ks, 1, 32, args.timeout)
+                for k in run_ks:
+                    cell = result.get(str(k), {}) if isinstance(result, dict) else result
+                    if isinstance(cell, dict):
+                        cell = {
+                            "ms_per_token_batch1": 1000 / cell["1"][0],
+                            "ms_per_step_batch16": 16000 / cell["16"][0],
+                        }
+                    report["k_sweep"].setdefault(engine, {})[str(k)] = cell
+            print(f"k sweep {engine}: {report['k_sweep'].get(engine)}", flush=True)
+        bandwidth_gb_s = report["bandwidth"]["copy_gb_s"]
+        report["roofline"] = {
+            str(k): {"bytes_per_step": model.decode_bytes(k), "tok_s": bandwidth_gb_s * 1e9 / model.decode_bytes(k)}
+            for k in ks
+        }
+
+    if "mixed" not in skip:
+        tiny = models.get("tiny") or build("tiny", args.cache)
+        report["mixed"] = {
+            "concurrent_vs_sequential": mixed.concurrent_vs_sequential(tiny.artifact),
+            "join_stall": {name: mixed.join_stall(m.artifact) for name, m in models.items()},
+            "kv_memory": mixed.kv_memory(tiny.artifact, 64 << 20),
+        }
+        print(f"mixed: {report['mixed']}", flush=True)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"copy bandwidth {report['bandwidth']['copy_gb_s']:.1f} GB/s (read {report['bandwidth']['read_gb_s']:.1f})",
+        "",
+    ]
+    throughput = report.get("throughput", {})
+    for name, engines in throughput.items():
+        lines += [
+            f"### {name} (tok/s, min / median / max)",
+            "",
+            "| engine | " + " | ".join(f"batch {b}" for b in _batches(engines)) + " |",
+            "|---|" + "---|" * len(_batches(engines)),
+        ]
+        for engine, cells in engines.items():
+            if isinstance(cells, str):
+                lines.append(f"| {engine} | {cells} |")
+                continue
+            lines.append(
+                f"| {engine} | "
+                + " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cells.values())
+                + " |"
+            )
+        ours = engines.get("moe-serve")
+        peers = {e: c for e, c in engines.items() if e != "moe-serve" and isinstance(c, dict)}
+        if isinstance(ours, dict) and peers:
+            ratios = []
+            for batch in ours:
+                best = max(c[batch]["median"] for c in peers.values() if batch in c)
+                ratios.append(f"batch {batch}: {ours[batch]['median'] / best:.2f}x")
+            lines += ["", "moe-serve / best peer (medians): " + ", ".join(ratios)]
+        lines.append("")
+    if "k_sweep" in report:
+        lines += ["### per-k decode cost, medium (ms per token at batch 1 / ms per step at batch 16)", ""]
+        ks = list(next(iter(report["k_sweep"].values())).keys())
+        lines += ["| engine | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+        for engine, cells in report["k_sweep"].items():
+            lines.append(
+                f"| {engine} | "
+                + " | ".join(
+                    f"{c['ms_per_token_batch1']:.1f} / {c['ms_per_step_batch16']:.0f}"
+                    if isinstance(c, dict)
+                    else str(c)
+                    for c in cells.values()
+                )
+                + " |"
+            )
+        roof = report["roofline"]
+        lines += [
+            "",
+            "roofline at batch 1 (tok/s; bytes per step): "
+            + ", ".join(f"k={k}: {r['tok_s']:.1f} ({r['bytes_per_step'] / 1e6:.0f} MB)" for k, r in roof.items()),
+        ]
+        for engine, cells in report["k_sweep"].items():
+            fractions = [
+                f"k={k}: {100 * (1000 / c['ms_per_token_batch1']) / roof[k]['tok_s']:.0f}%"
+                for k, c in cells.items()
+                if isinstance(c, dict) and k in roof
+            ]
+            lines.append(f"- {engine} fraction of the roofline: " + ", ".join(fractions))
+        lines.append("")
+    if "mixed" in report:
+        m = report["mixed"]
+        c = m["concurrent_vs_sequential"]
+        lines.append(
+            f"- {c['requests']} mixed-length requests over HTTP: sequential {c['sequential_s']:.1f} s, "
+            f"concurrent {c['concurrent_s']:.1f} s ({c['speedup']:.1f}x)"
+        )
+        for name, s in m["join_stall"].items():
+            lines.append(
+                f"- {name}: a 512-token prompt joining 16 decodes: longest step {s['max_join_step_ms']:.1f} ms "
+                f"= {s['stall_in_decode_steps']:.1f} decode steps ({s['decode_step_ms']:.1f} ms), "
+                f"over {s['join_steps']} steps"
+            )
+        kv = m["kv_memory"]
+        lines.append(
+            f"- KV cache: budget {kv['budget_bytes'] / 2**20:.0f} MiB, "
+            f"allocated {kv['allocated_bytes'] / 2**20:.2f} MiB "
+            f"({kv['blocks']} blocks, {kv['tokens']} tokens)"
+        )
+    return "\n".join(lines)
+
+
+def _batches(engines: dict) -> list[str]:
+    for cells in engines.values():
+        if isinstance(cells, dict):
+            return list(cells)
+    return []
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""A failure tied to one sequence finishes that sequence with an error; the step goes on for the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_serve import LLM, SamplingParams
+from moe_serve.engine.model_runner import TorchRunner
+from tests.conftest import lm_config
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    from moe_serve.testing import create_random_artifact
+
+    return LLM(create_random_artifact(tmp_path_factory.mktemp("iso") / "lm", lm_config(), seed=9))
+
+
+def run(llm: LLM, prompts: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    engine = llm.engine
+    seqs = {
+        name: engine.add_request(name, engine.inputs.generation_request(ids, params))[0]
+        for name, (ids, params) in prompts.items()
+    }
+    while engine.has_unfinished():
+        engine.step()
+    for name in prompts:
+        engine.release(name)
+    return seqs
+
+
+def test_unsampleable_settings_fail_only_their_sequence(llm: LLM) -> None:
+    good = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+    bad = SamplingParams(max_tokens=6, temperature=0.8, top_k=2**63 - 1 + 1, ignore_eos=True)  # no int64 holds it
+    seqs = run(
+        llm,
+        {
+            "good": ([1, 2, 3], good),
+            "bad": ([4, 5, 6], bad),
+            "greedy": ([7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
+        },
+    )
+    assert seqs["bad"].finish_reason == "error" and isinstance(seqs["bad"].error, Exception)
+    assert seqs["good"].finish_reason == "length" and seqs["good"].num_output_tokens == 6
+    assert seqs["greedy"].finish_reason == "length" and seqs["greedy"].num_output_tokens == 6
+    alone = run(llm, {"good": ([1, 2, 3], good)})["good"]
+    assert alone.output_token_ids == seqs["good"].output_token_ids
+
+
+def test_a_forward_that_fails_for_one_sequence_fails_only_it(llm: LLM, monkeypatch) -> None:
+    original = TorchRunner.forward
+
+    def fails_on_poison(self, output):
+        if any(item.seq.request_id == "poison" for item in output.scheduled):
+            raise RuntimeError("this input breaks the model")
+        return original(self, output)
+
+    monkeypatch.setattr(TorchRunner, "forward", fails_on_poison)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seqs = run(llm, {"a": ([1, 2], params), "poison": ([3, 4], params), "b": ([5, 6, 7], params)})
+    assert seqs["poison"].finish_reason == "error" and "breaks the model" in str(seqs["poison"].error)
+    assert [seqs[n].num_output_tokens for n in ("a", "b")] == [4, 4]
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used_blocks == 0
