@@ -13,6 +13,14 @@ from moe_serve.testing import create_random_artifact
 NUM_EXPERTS = 4
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds the CPU kernels once, here, before any test starts a server process that would otherwise
+    spend its startup deadline compiling them."""
+    from moe_serve.kernels import cpu_extension
+
+    cpu_extension()
+
+
 def lm_config(**overrides) -> ModelConfig:
     """A baby causal LM: vocab 260 (byte tokenizer), hidden 32, 2 layers, MoE in layer 1, 4 experts, k=2."""
     moe = MoEConfig(

@@ -45,3 +45,16 @@ def test_wheel_claims_only_the_moe_serve_import_name() -> None:
     assert all(p == "moe_serve" or p.startswith("moe_serve.") for p in setuptools["packages"])
     for package, folder in setuptools["package-dir"].items():
         assert (ROOT / folder / "__init__.py").is_file(), package
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """A package missing from the explicit list imports fine from an editable checkout and fails only
+    after `pip install .` (the Docker image)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = set()
+    for top, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            on_disk.add(".".join((top, *init.parent.relative_to(ROOT / folder).parts)))
+    assert on_disk ^ set(setuptools["packages"]) == set()
+    assert setuptools["package-data"]["moe_serve.kernels"] == ["csrc/*.cpp"]
+    assert list((ROOT / "moe_serve" / "kernels" / "csrc").glob("*.cpp"))

@@ -1,22 +1,34 @@
 """Compute kernels behind one small interface, each with two implementations:
 
-- `cpu`: the C++ extension in csrc/ (AVX-512, built on first use with the machine's compiler and cached by
-  torch under ~/.cache/torch_extensions): fp32 activations, fp32 or bf16 weights;
+- `cpu`: the C++ extension in csrc/ (AVX-512, built on first use with the machine's compiler and cached
+  under ~/.cache/moe-serve/kernels, or `$MOE_SERVE_KERNEL_CACHE`): fp32 activations, fp32 or bf16 weights;
 - `torch`: plain PyTorch, for CUDA, other dtypes, machines without AVX-512 or a compiler, and as the
   obviously correct reference the tests compare the fast path with.
 
-`MOE_SERVE_KERNELS=torch` forces the torch implementations.
+`MOE_SERVE_KERNELS=torch` forces the torch implementations. `python -m moe_serve.kernels` builds the
+extension ahead of time (`make install` does).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+NAME = "moe_serve_cpu_kernels"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
@@ -26,6 +38,8 @@ _tried = False
 def cpu_extension() -> ModuleType | None:
     """The compiled CPU kernels, or None where they cannot be built (the reason is logged once)."""
     global _extension, _tried
+    if _tried:  # the hot path: no lock once decided
+        return _extension
     with _lock:
         if _tried:
             return _extension
@@ -36,26 +50,80 @@ def cpu_extension() -> ModuleType | None:
             logger.warning("CPU kernels need AVX-512; using the torch implementations")
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            source = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-            logger.info("building the CPU kernels (first use only; cached afterwards)")
-            _extension = load(
-                name="moe_serve_cpu_kernels",
-                sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            _extension = _load_or_build()
         except Exception as exc:  # no compiler, no headers: the torch implementations still serve
             logger.warning("could not build the CPU kernels (%s); using the torch implementations", exc)
             _extension = None
         return _extension
 
 
-def _cpu_supports_avx512() -> bool:
+def cache_dir() -> Path:
+    """Where this exact build lives: keyed by the source, the flags, torch, Python and the machine, so a
+    changed kernel or a different interpreter never loads a stale library."""
+    root = Path(os.environ.get("MOE_SERVE_KERNEL_CACHE") or Path.home() / ".cache" / "moe-serve" / "kernels")
+    import torch
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), torch.__version__.encode()):
+        key.update(part)
+    key.update(f"{sys.version_info[:2]} {platform.machine()} {_cpu_flags()}".encode())
+    return root / key.hexdigest()[:16]
+
+
+def _load_or_build() -> ModuleType:
+    """Loads the cached library, building it first when missing. Builders serialise on an flock, which
+    the kernel releases when a process dies: a build killed halfway (a test timeout, Ctrl-C) never leaves
+    a lock behind that makes every later process wait forever, as torch's own lock file does. The library
+    is moved into place only when complete, so a reader never loads a half-written file."""
+    directory = cache_dir()
+    library = directory / f"{NAME}.so"
+    if not library.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "build.lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)  # another process may be building: wait for it
+            if not library.exists():
+                _build(directory, library)
+    return _import(library)
+
+
+def _build(directory: Path, library: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    logger.warning("building the CPU kernels (first use only, about a minute; cached in %s)", directory)
+    scratch = directory / "build"
+    shutil.rmtree(scratch, ignore_errors=True)  # whatever a killed build left, torch's lock file included
+    scratch.mkdir()
+    load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(scratch),
+        verbose=False,
+    )
+    os.replace(scratch / f"{NAME}.so", library)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _import(library: Path) -> ModuleType:
+    import torch  # noqa: F401  (the library links against torch's, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cpu_flags() -> str:
+    """The first CPU's feature flags (`-march=native` compiles for exactly these), or "" off Linux."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f " in flags and " avx512bw " in flags and " avx512vl " in flags
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _cpu_supports_avx512() -> bool:
+    flags = set(_cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
