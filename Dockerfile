@@ -21,7 +21,10 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
   CMD python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"
 
-# No MODEL argument: serve the bundled demo models. Mount artifacts and pass their paths to serve others:
-#   docker run -p 8000:8000 -v $PWD/artifacts:/models IMAGE /models/mixtral
+# No MODEL argument: serve the bundled demo models. Mount artifacts and pass their paths to serve others.
+# The server listens on all interfaces inside the container, so it refuses to start without an API key:
+# mount one as a file (docker secret) or set MOE_SERVE_API_KEY.
+#   docker run -p 8000:8000 -v $PWD/key:/run/secrets/api_key:ro -v $PWD/artifacts:/models IMAGE /models/mixtral
+ENV MOE_SERVE_API_KEY_FILE=/run/secrets/api_key
 ENTRYPOINT ["moe-serve", "serve", "--host", "0.0.0.0", "--port", "8000"]
 CMD []

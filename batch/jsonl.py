@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_serve.errors import ValidationError
+
 URLS = ("/v1/completions", "/v1/chat/completions", "/v1/classify", "/v1/score")
+MAX_CUSTOM_ID = 512
 
 
 @dataclass(slots=True)
@@ -43,19 +46,24 @@ def read_inputs(
 ) -> tuple[list[BatchItem], list[dict], list[str]]:
     """-> runnable items (one per line and k), error lines for lines that cannot run, duplicate ids."""
     items, errors, duplicates, seen = [], [], [], set()
-    with open(path, encoding="utf-8") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
+    with open(path, "rb") as f:  # decoded line by line: one line that is not UTF-8 is that line's error
+        for number, raw_bytes in enumerate(f, start=1):
+            if not raw_bytes.strip():
                 continue
             try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as exc:
+                record = json.loads(raw_bytes.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                message = f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+                errors.append(error_line(f"line-{number}", "invalid_encoding", message, number))
+                continue
+            except (json.JSONDecodeError, RecursionError) as exc:
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
                 errors.append(
-                    error_line(f"line-{number}", "invalid_json", f"line {number} is not valid JSON: {exc.msg}", number)
+                    error_line(f"line-{number}", "invalid_json", f"line {number} is not valid JSON: {reason}", number)
                 )
                 continue
             problem = _check_record(record)
-            custom_id = str(record.get("custom_id", f"line-{number}")) if isinstance(record, dict) else f"line-{number}"
+            custom_id = record["custom_id"] if problem is None else f"line-{number}"
             if problem:
                 errors.append(error_line(custom_id, "invalid_request", f"line {number}: {problem}", number))
                 continue
@@ -78,30 +86,56 @@ def _check_record(record: Any) -> str | None:
     for name in ("custom_id", "url", "body"):
         if name not in record:
             return f"missing field {name!r}"
+    custom_id = record["custom_id"]
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID or not _is_text(custom_id):
+        return f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters"
     if record.get("method", "POST") != "POST":
         return f"method must be POST, got {record.get('method')!r}"
     if record["url"] not in URLS:
         return f"unknown url {record['url']!r}; supported: {', '.join(URLS)}"
     if not isinstance(record["body"], dict):
         return "body must be a JSON object"
+    model = record["body"].get("model")
+    if model is not None and not (isinstance(model, str) and _is_text(model)):
+        return "body.model must be a string"
+    label = record.get("label")
+    if label is not None and not (isinstance(label, str) and _is_text(label)):
+        return "label must be a string"
     return None
 
 
+def _is_text(value: str) -> bool:
+    """Whether a JSON string is real text (no lone surrogates, which "\\ud800" escapes can produce)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def completed_keys(path: Path) -> set[tuple[str, int | None]]:
-    """(custom_id, k) pairs already in the output (error lines by their line number); a torn last line
-    from a killed run is cut off so that the rerun appends cleanly."""
-    if not path.exists():
+    """(custom_id, k) pairs already in the output (error lines by their line number). A torn last line
+    from a killed run is cut off so that the rerun appends cleanly; a file that is not a batch output is
+    refused untouched."""
+    if not path.is_file():  # nothing yet, or a device or pipe (-o /dev/stdout): nothing to resume from
         return set()
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-        data = data[: data.rfind(b"\n") + 1]
+    complete, torn = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
     keys = set()
-    for raw in data.decode("utf-8").splitlines():
-        record = json.loads(raw)
-        line = (record.get("error") or {}).get("line")
-        keys.add(error_key(line) if line is not None else (record["custom_id"], record.get("experts_per_token_sweep")))
+    for number, raw in enumerate(complete.splitlines(), start=1):
+        try:
+            record = json.loads(raw)
+            line = (record.get("error") or {}).get("line")
+            keys.add(error_key(line) if line is not None else (record["custom_id"], record["experts_per_token_sweep"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValidationError(
+                f"output {path} is not a batch output (line {number} is not a result line); give a new file, or "
+                "the output of the run to resume",
+                parameter="output",
+            ) from None
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
     return keys
 
 
@@ -141,5 +175,10 @@ def line_id(custom_id: str, k: int | None, line: int | None = None) -> str:
 
 
 def append(out: Any, line: dict) -> None:
-    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    try:
+        text = json.dumps(line, ensure_ascii=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate echoed from the input: escaped, still valid JSON
+        text = json.dumps(line)
+    out.write(text + "\n")
     out.flush()  # a kill -9 loses at most the line being written; a rerun cuts it off

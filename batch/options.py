@@ -7,6 +7,7 @@ from pathlib import Path
 
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
+from moe_serve.validation import check_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +15,9 @@ class BatchOptions:
     input: str = option(None, "OpenAI Batch JSONL file", flags=("-i",))
     output: str = option(None, "results JSONL (appended; a rerun resumes)", flags=("-o",))
     model: str | None = option(None, "default model (a line's body.model wins)")
+    models: str | None = option(
+        None, "comma-separated further models (paths or bundled names) lines may name; default: --model and the demos"
+    )
     k: str | None = option(None, "comma-separated experts_per_token sweep: every line answered once per k")
     chunk_size: int = option(64, "requests answered together (the engine batches them)")
     quality: bool = option(
@@ -33,6 +37,12 @@ class BatchOptions:
         for name in ("input", "output"):
             if not getattr(self, name):
                 raise ValidationError(f"--{name} is required", parameter=name)
+        check_int("chunk_size", self.chunk_size, 1)
+        check_int("ray_workers", self.ray_workers, 1)
+
+    @property
+    def extra_models(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in (self.models or "").split(",") if m.strip())
 
     @property
     def input_path(self) -> Path:

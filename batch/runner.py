@@ -20,7 +20,9 @@ from moe_serve.api.prepare import prepare_chat, prepare_completion, prepare_pool
 from moe_serve.batch.jsonl import BatchItem, append, completed_keys, error_key, read_inputs, response_line
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine
-from moe_serve.errors import MoEServeError
+from moe_serve.errors import MoEServeError, ValidationError
+from moe_serve.registry import bundled_models
+from moe_serve.validation import check_int
 
 REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
     "/v1/completions": p.CompletionRequest,
@@ -87,14 +89,14 @@ async def _run(engine: AsyncEngine, limits: RequestLimits, item: BatchItem, requ
     if isinstance(request, p.CompletionRequest | p.ChatCompletionRequest):
         is_chat = isinstance(request, p.ChatCompletionRequest)
         job = prepare_chat(inputs, request, limits) if is_chat else prepare_completion(inputs, request, limits)  # type: ignore[arg-type]
-        results = await asyncio.gather(*(engine.generate_final(r) for r in job.requests))
+        results = await asyncio.gather(*(stream.final() for stream in engine.submit(job.requests)))
         if is_chat:
             body = responses.chat_response(name, job, results[0], item.line_id)
         else:
             body = responses.completion_response(name, job, list(results), inputs.tokenizer, item.line_id)
         completion_tokens = sum(r.num_generated_tokens for r in results)
         return response_line(item, 200, body.model_dump(), job.prompt_tokens, completion_tokens)
-    pooled = prepare_pooling(inputs, request)  # type: ignore[arg-type]
+    pooled = prepare_pooling(inputs, request, limits)  # type: ignore[arg-type]
     if pooled.kind == "classify":
         data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, pooled.k))
     else:
@@ -125,33 +127,42 @@ def run_batch(
     output_path: Path,
     *,
     default_model: str | None = None,
+    models: tuple[str, ...] = (),
     ks: list[int] | None = None,
     engine_config: EngineConfig | None = None,
     chunk_size: int = 64,
     progress: bool = True,
     chunk_runner: ChunkRunner | None = None,
 ) -> tuple[Summary, list[dict]]:
-    """Run (or resume) a batch file. Returns the summary and the result lines written by this run."""
+    """Run (or resume) a batch file. Lines may name `default_model`, `models` and the bundled demos.
+    Returns the summary and the result lines written by this run."""
     started = time.monotonic()
+    check_int("chunk_size", chunk_size, 1)
+    if output_path.is_dir():
+        raise ValidationError(f"output {output_path} is a directory; give a file path", parameter="output")
     items, error_lines, duplicates = read_inputs(input_path, default_model, ks)
     done = completed_keys(output_path)
     summary = Summary(lines=len({i.line for i in items}) + len(error_lines), duplicates=duplicates)
     pending = [i for i in items if i.key not in done]
+    allowed = {*models, *([default_model] if default_model else []), *bundled_models()}
+    refused = [_refused(item, allowed) for item in pending if item.model is not None and item.model not in allowed]
+    pending = [i for i in pending if i.model is None or i.model in allowed]
     fresh_errors = [e for e in error_lines if error_key(e["error"]["line"]) not in done]
-    summary.skipped = len(items) - len(pending)
+    summary.skipped = len(items) - len(pending) - len(refused)
     chunks = [pending[start : start + chunk_size] for start in range(0, len(pending), chunk_size)]
     pool = None
     if chunk_runner is None:
         pool = EnginePool(engine_config or EngineConfig())
         chunk_runner = lambda chunks_: (process_chunk(pool, c) for c in chunks_)  # noqa: E731
     written: list[dict] = []
-    output_path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
         with (
             open(output_path, "a", encoding="utf-8") as out,
             tqdm(total=len(pending), desc="batch", unit="req", disable=not progress) as bar,
         ):
-            for line in fresh_errors:
+            for line in fresh_errors + refused:
+                line.pop("_tokens", None)
                 append(out, line)
                 summary.errors += 1
                 written.append(line)
@@ -167,8 +178,21 @@ def run_batch(
                 bar.update(len(lines))
                 rate = (summary.prompt_tokens + summary.completion_tokens) / max(time.monotonic() - started, 1e-9)
                 bar.set_postfix(tok_s=f"{rate:.0f}")
+    except OSError as exc:  # a full disk, a read-only file system, no permission: what is written stays
+        raise MoEServeError(
+            f"cannot write {output_path}: {exc.strerror or exc} ({len(written)} result lines written by this run; "
+            "a rerun resumes after them)"
+        ) from None
     finally:
         if pool is not None:
             pool.close()
     summary.seconds = time.monotonic() - started
     return summary, written
+
+
+def _refused(item: BatchItem, allowed: set[str]) -> dict:
+    message = (
+        f"model {item.model!r} is not available to this batch; lines may name {', '.join(sorted(allowed)) or 'none'} "
+        "(the command's --model and --models, and the bundled demos)"
+    )
+    return _error(item, ApiError(404, message, "not_found_error", "model"))

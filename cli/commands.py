@@ -19,9 +19,8 @@ from moe_serve.sampling_params import SamplingParams
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from moe_serve.server.app import create_app
+    from moe_serve.server.lifecycle import build_server
     from moe_serve.server.settings import ServerSettings
 
     settings = from_options(
@@ -36,14 +35,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("moe_serve.server").info(
         "serving %s on http://%s:%d", ", ".join(app.state.ctx.models), settings.host, settings.port
     )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout),
-    )
+    build_server(app, settings).run()
     return 0
 
 
@@ -117,6 +109,7 @@ def batch(args: argparse.Namespace) -> int:
         options.input_path,
         options.output_path,
         default_model=options.model,
+        models=options.extra_models,
         ks=ks,
         engine_config=engine_config,
         chunk_size=options.chunk_size,
@@ -230,10 +223,13 @@ def export(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from moe_serve.artifact import load_artifact
     from moe_serve.registry import resolve_model
     from moe_serve.summary import format_summary, summarize
 
-    summary = summarize(resolve_model(args.model))
+    path = resolve_model(args.model)
+    load_artifact(path)  # validates what `serve` validates: weights, tokenizer, checksums, template, quality
+    summary = summarize(path)
     _emit(args, summary, format_summary(summary))
     return 0
 

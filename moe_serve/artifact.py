@@ -130,11 +130,18 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     if not config_path.is_file():
         raise ArtifactError(f"{path} has no {CONFIG_FILE}")
     try:
-        manifest = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(config_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ArtifactError(f"{config_path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ArtifactError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f'{config_path} is not a moe-serve artifact config ("format" must be "{FORMAT}")')
+    checksums = manifest.get("checksums", {})
+    if not (isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())):
+        raise ArtifactError(f'{config_path}: "checksums" must be an object of file names to sha256 strings')
+    if not isinstance(manifest.get("provenance", {}), dict):
+        raise ArtifactError(f'{config_path}: "provenance" must be an object')
     version = manifest.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         supported = ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
@@ -153,6 +160,9 @@ def load_artifact(
     dtype: torch.dtype = torch.float32,
     verify_checksums: bool = True,
 ) -> Artifact:
+    """Load and validate an artifact: everything serving will use is checked here (config, checksums,
+    tokenizer, chat template, quality table, every tensor's name, shape, dtype and values), so that an
+    artifact either fails to load with one ArtifactError naming the problem or serves."""
     path = Path(path)
     manifest, config = read_manifest(path)
     for name in (WEIGHTS_FILE, TOKENIZER_FILE):
@@ -160,38 +170,70 @@ def load_artifact(
             raise ArtifactError(f"{path} has no {name}")
     if verify_checksums:
         _verify_checksums(path, manifest.get("checksums") or {})
-
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            _check_tensors(config, shapes)
-            for name in f.keys():
-                dtype_name = f.get_slice(name).get_dtype()
-                if dtype_name not in _SAFETENSORS_DTYPES:
-                    raise ArtifactError(f"tensor '{name}' has dtype {dtype_name}; artifacts store F32, F16 or BF16")
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    except ArtifactError:
-        raise
-    except Exception as exc:  # safetensors raises its own errors for corrupt headers
-        raise ArtifactError(f"cannot read {path / WEIGHTS_FILE}: {exc}") from None
+    tokenizer = _read_tokenizer(path / TOKENIZER_FILE, config)
+    if config.chat_template is not None:
+        _check_chat_template(config.chat_template, path / CONFIG_FILE)
+    quality = QualityTable.read(path / QUALITY_FILE) if (path / QUALITY_FILE).is_file() else None
+    tensors = _read_tensors(path / WEIGHTS_FILE, config, device, dtype)
 
     with torch.device("meta"):
         model = MoETransformer(config)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.prepare()
+    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality)
 
+
+def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> dict:
+    """Every tensor the config describes, with the shape it describes, stored as F32, F16 or BF16, finite."""
+    tensors: dict[str, torch.Tensor] = {}
     try:
-        tokenizer = Tokenizer.from_file(path / TOKENIZER_FILE)
-    except Exception as exc:
-        raise ArtifactError(f"cannot read {path / TOKENIZER_FILE}: {exc}") from None
-    if tokenizer.vocab_size > config.vocab_size:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            _check_tensors(config, shapes)
+            for name in f.keys():
+                dtype_name = f.get_slice(name).get_dtype()
+                if dtype_name not in _SAFETENSORS_DTYPES:
+                    raise ArtifactError(f"tensor '{name}' has dtype {dtype_name}; artifacts store F32, F16 or BF16")
+                tensor = f.get_tensor(name)
+                if not torch.isfinite(tensor).all():
+                    raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
+                tensors[name] = tensor.to(device=device, dtype=dtype)
+    except ArtifactError:
+        raise
+    except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files
+        raise ArtifactError(f"cannot read {path}: {exc}") from None
+    return tensors
+
+
+# Encoded and decoded at load: a tokenizer that cannot handle ordinary text (a WordLevel model without an
+# unknown token, say) fails here rather than in every request.
+_TOKENIZER_PROBE = "Hello, world! 0123 naïve café, Ελληνικά, 日本語 🙂\n\ttabs  and  spaces"
+
+
+def _read_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    try:
+        tokenizer = Tokenizer.from_file(path)
+        ids = tokenizer.encode(_TOKENIZER_PROBE) + tokenizer.encode_rendered(_TOKENIZER_PROBE)
+        tokenizer.decode(ids)
+        tokenizer.max_token_chars  # noqa: B018  # decodes every token once
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        raise ArtifactError(f"{path} cannot be used: {exc}") from None
+    if tokenizer.vocab_size > config.vocab_size or any(i >= config.vocab_size for i in ids):
         raise ArtifactError(
             f"{TOKENIZER_FILE} has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
         )
-    quality = QualityTable.read(path / QUALITY_FILE) if (path / QUALITY_FILE).is_file() else None
-    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality)
+    return tokenizer
+
+
+def _check_chat_template(source: str, where: Path) -> None:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(source)
+    except TemplateError as exc:
+        raise ArtifactError(f"{where}: chat_template is not a valid Jinja template: {exc}") from None
 
 
 def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:

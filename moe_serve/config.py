@@ -10,7 +10,7 @@ import torch
 
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
-from moe_serve.sampling_params import check_int
+from moe_serve.validation import check_int
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -69,6 +69,9 @@ class RequestLimits:
     """What one API request may ask for, the same over HTTP and in batch files."""
 
     max_tokens_cap: int = option(4096, "the largest max_tokens a request may ask for")
+    max_prompts: int = option(256, "prompts in one completion request")
+    max_inputs: int = option(256, "inputs in one classify or score request")
 
     def __post_init__(self) -> None:
-        check_int("max_tokens_cap", self.max_tokens_cap, 1)
+        for name in ("max_tokens_cap", "max_prompts", "max_inputs"):
+            check_int(name, getattr(self, name), 1)

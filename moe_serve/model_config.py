@@ -7,7 +7,11 @@ newer artifacts stay loadable by older runtimes; missing required keys and bad v
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,36 +40,51 @@ QK_NORMS = ("per_head", "full")
 ROPE_TYPES = ("linear", "yarn")
 
 
+# Upper bounds on sizes: far above any model served on one machine, and low enough that a corrupted or
+# hostile config is refused before anything is allocated from it (a meta model with 1e9 layers, say).
+MAX_LAYERS = 1024
+MAX_HIDDEN_SIZE = 1 << 16
+MAX_INTERMEDIATE_SIZE = 1 << 20
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_VOCAB_SIZE = 1 << 22
+MAX_EXPERTS = 4096
+MAX_POSITIONS = 1 << 20
+MAX_LABELS = 1 << 16
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20
+MAX_POSITION_TABLE_ELEMENTS = 1 << 30  # rotary or relative-position tables built at load (4 GiB in fp32)
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer; got {value!r}")
+def _check_size(name: str, value: Any, maximum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= maximum:
+        raise ConfigError(f"{name} must be an integer between 1 and {maximum}; got {value!r}")
+
+
+def _check_float(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    if not (low < value if low_open else low <= value) or not value <= high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{name} must be in {interval}; got {value!r}")
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a dict, recursing into nested config dataclasses."""
+    """Build dataclass `cls` from parsed JSON, checking every value against its field's annotation (JSON
+    lists become tuples, nested objects nested configs), so that a wrong-typed field is one clear
+    ConfigError naming it, never a crash later."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be an object; got {type(data).__name__}")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(names))
+        raise ConfigError(f"{where} must be an object; got {_json_type(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(key) for key in set(data) - names)
     if unknown:
         logger.warning("ignoring unknown config keys in %s: %s", where, ", ".join(unknown))
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            continue
-        nested = _NESTED.get((cls.__name__, key))
-        if nested is not None and value is not None:
-            value = _build(nested, value, f"{where}.{key}")
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[key] = value
+    kwargs = {key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items() if key in names}
     required = [
         f.name
         for f in dataclasses.fields(cls)
@@ -75,6 +94,78 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if missing:
         raise ConfigError(f"{where}: missing required field '{missing[0]}'")
     return cls(**kwargs)
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options:  # the first alternative whose JSON shape matches (int | tuple[int, ...])
+            if _shape_matches(value, option):
+                return _convert(value, option, where)
+        raise ConfigError(f"{where} must be {' or '.join(_describe(a) for a in args)}; got {_shown(value)}")
+    if origin is typing.Literal:
+        if not any(value == a and type(value) is type(a) for a in args):
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, args))}; got {_shown(value)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
+        return tuple(_convert(item, args[0], f"{where}[{i}]") for i, item in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if not _shape_matches(value, hint):
+        raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
+    if hint is float:
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number; got {value!r}")
+        return float(value)
+    return value
+
+
+def _shape_matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the kind `hint` asks for (bool is not an int here; an int is a float)."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        return isinstance(value, (list, tuple))
+    if origin is typing.Literal:
+        return isinstance(value, str)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, (dict, hint))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(args[0], "values")
+        return f"a list of {plural}"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
+    if dataclasses.is_dataclass(hint):
+        return "an object"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}.get(
+        hint, str(hint)
+    )
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return f"{_json_type(value)} ({text[:60]}{'…' if len(text) > 60 else ''})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +184,7 @@ class FFNConfig:
 
     def __post_init__(self) -> None:
         _check_choice("ffn kind", self.kind, EXPERT_KINDS)
-        _check_positive("intermediate_size", self.intermediate_size)
+        _check_size("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE_SIZE)
         _check_choice("activation", self.activation, ACTIVATIONS)
 
 
@@ -124,9 +215,9 @@ class ExpertsPerToken:
 
     def __post_init__(self) -> None:
         for name in ("default", "min"):
-            _check_positive(f"experts_per_token.{name}", getattr(self, name))
+            _check_size(f"experts_per_token.{name}", getattr(self, name), MAX_EXPERTS)
         if self.max is not None:
-            _check_positive("experts_per_token.max", self.max)
+            _check_size("experts_per_token.max", self.max, MAX_EXPERTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +231,7 @@ class MoEConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x w) scales the shared expert
 
     def __post_init__(self) -> None:
-        _check_positive("moe.num_experts", self.num_experts)
+        _check_size("moe.num_experts", self.num_experts, MAX_EXPERTS)
         k = self.experts_per_token
         k_max = k.max if k.max is not None else self.num_experts
         if not 1 <= k.min <= k.default <= k_max <= self.num_experts:
@@ -178,8 +269,12 @@ class ClassifierConfig:
     pooler_dense: bool = False  # BERT-style dense + tanh before the classification head
 
     def __post_init__(self) -> None:
-        if len(self.labels) < 2:
-            raise ConfigError(f"classifier.labels needs at least 2 labels; got {list(self.labels)}")
+        if not 2 <= len(self.labels) <= MAX_LABELS:
+            raise ConfigError(f"classifier.labels needs 2 to {MAX_LABELS} labels; got {len(self.labels)}")
+        if not all(isinstance(label, str) and label for label in self.labels):
+            raise ConfigError(f"classifier.labels must be non-empty strings; got {list(self.labels)[:8]}")
+        if len(set(self.labels)) != len(self.labels):
+            raise ConfigError(f"classifier.labels must be distinct; got {list(self.labels)[:8]}")
         _check_choice("classifier.pooling", self.pooling, POOLINGS)
 
 
@@ -200,10 +295,16 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         _check_choice("rope_scaling.type", self.type, ROPE_TYPES)
-        if not isinstance(self.factor, (int, float)) or self.factor <= 0:
-            raise ConfigError(f"rope_scaling.factor must be a positive number; got {self.factor!r}")
+        _check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
         if self.type == "yarn" and self.original_max_position_embeddings is None:
             raise ConfigError("rope_scaling of type yarn needs original_max_position_embeddings")
+        if self.original_max_position_embeddings is not None:
+            _check_size(
+                "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, MAX_POSITIONS
+            )
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(self, name) is not None:
+                _check_float(f"rope_scaling.{name}", getattr(self, name), 0.0, 1e6, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +343,19 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-            _check_positive(name, getattr(self, name))
+        for name, maximum in (
+            ("vocab_size", MAX_VOCAB_SIZE),
+            ("hidden_size", MAX_HIDDEN_SIZE),
+            ("num_layers", MAX_LAYERS),
+            ("num_heads", MAX_HEADS),
+            ("max_position_embeddings", MAX_POSITIONS),
+        ):
+            _check_size(name, getattr(self, name), maximum)
+        _check_float("norm_eps", self.norm_eps, 0.0, 1.0, low_open=True)
+        _check_float("rope_theta", self.rope_theta, 0.0, 1e12, low_open=True)
+        _check_float("embedding_scale", self.embedding_scale, 0.0, 1e6, low_open=True)
+        if self.qkv_clip is not None:
+            _check_float("qkv_clip", self.qkv_clip, 0.0, 1e6, low_open=True)
         _check_choice("position", self.position, POSITION_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
@@ -256,8 +368,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        _check_positive("head_dim", self.head_dim)
-        _check_positive("num_kv_heads", self.num_kv_heads)
+        _check_size("head_dim", self.head_dim, MAX_HEAD_DIM)
+        _check_size("num_kv_heads", self.num_kv_heads, MAX_HEADS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.qk_norm is not None:
@@ -289,6 +401,24 @@ class ModelConfig:
             for token in tokens:
                 if token is not None and not (isinstance(token, int) and 0 <= token < self.vocab_size):
                     raise ConfigError(f"{name} {token} is outside the vocabulary (size {self.vocab_size})")
+        if self.chat_template is not None and len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS:
+            raise ConfigError(f"chat_template is longer than {MAX_CHAT_TEMPLATE_CHARS} characters")
+        if self.position_table_elements > MAX_POSITION_TABLE_ELEMENTS:
+            raise ConfigError(
+                f"the {self.position} position tables for max_position_embeddings {self.max_position_embeddings} "
+                f"would hold {self.position_table_elements:,} values (the limit is {MAX_POSITION_TABLE_ELEMENTS:,})"
+            )
+
+    @property
+    def position_table_elements(self) -> int:
+        """Values in the position tables built at load (rotary cos/sin, or relative-position keys)."""
+        positions = self.max_position_embeddings
+        if self.position == "rotary":
+            return positions * self.head_dim  # type: ignore[operator]  # completed above
+        if self.position == "relative":
+            distances = positions if self.is_causal else 2 * positions - 1
+            return 2 * distances * self.hidden_size  # the sinusoids and their projection
+        return 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -326,17 +456,6 @@ def _to_jsonable(value: Any) -> Any:
         return [_to_jsonable(v) for v in value]
     return value
 
-
-_NESTED: dict[tuple[str, str], type] = {
-    ("ModelConfig", "ffn"): FFNConfig,
-    ("ModelConfig", "moe"): MoEConfig,
-    ("ModelConfig", "classifier"): ClassifierConfig,
-    ("ModelConfig", "rope_scaling"): RopeScaling,
-    ("MoEConfig", "expert"): FFNConfig,
-    ("MoEConfig", "shared_expert"): FFNConfig,
-    ("MoEConfig", "router"): RouterConfig,
-    ("MoEConfig", "experts_per_token"): ExpertsPerToken,
-}
 
 __all__ = [
     "ClassifierConfig",

@@ -4,19 +4,20 @@ call without the HTTP layer; errors name the offending parameter."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
+from moe_serve.validation import check_int, check_number
 
-
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    """Raise ValidationError unless `value` is an int (not a bool) in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValidationError(f"{name} must be an integer, got {value!r}", parameter=name, value=value)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ValidationError(f"{name} must be {bound}, got {value}", parameter=name, value=value)
+# The range of every field, checked here (the engine's own invariants: SamplingParams is safe to build
+# without the HTTP layer) and declared from these same constants in the HTTP schema (moe_serve.api.protocol).
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1  # + n - 1 must still fit torch's generator seed (below 2**64)
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 512
 
 
 @dataclass(slots=True)
@@ -45,29 +46,26 @@ class SamplingParams:
 
     def verify(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
-        _check_number("temperature", self.temperature, 0.0, None)
-        _check_number("top_p", self.top_p, 0.0, 1.0)
+        check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise ValidationError("top_p must be greater than 0, got 0", parameter="top_p", value=0)
-        check_int("top_k", self.top_k, 0)
-        check_int("n", self.n, 1, 128)
+        check_int("top_k", self.top_k, 0, MAX_TOP_K)
+        check_int("n", self.n, 1, MAX_N)
         if self.seed is not None:
-            check_int("seed", self.seed, 0)
+            check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, 20)
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValidationError("stop must be a list of non-empty strings", parameter="stop", value=self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise ValidationError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters",
+                parameter="stop",
+            )
         if self.experts_per_token is not None:
             check_int("experts_per_token", self.experts_per_token, 1)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check_number(name: str, value: Any, low: float, high: float | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(f"{name} must be a number, got {value!r}", parameter=name, value=value)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ValidationError(f"{name} must be {bound}, got {value}", parameter=name, value=value)

@@ -40,10 +40,16 @@ def byte_level_tokenizer() -> HFTokenizer:
 
 
 class Tokenizer:
-    """encode/decode without special tokens added implicitly; the engine adds BOS where the model wants it."""
+    """encode/decode without special tokens added implicitly; the engine adds BOS where the model wants it.
+
+    A user's text never turns into special tokens: typing "<|endoftext|>" gives its characters' tokens
+    (`encode`). Only text a chat template rendered is read with its special tokens (`encode_rendered`)."""
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tokenizer = tokenizer
+        self._literal = HFTokenizer.from_str(tokenizer.to_str())  # a copy: the flag is per object
+        self._literal.encode_special_tokens = True
+        self._max_token_chars: int | None = None
 
     @property
     def hf(self) -> HFTokenizer:
@@ -59,7 +65,27 @@ class Tokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        """A user's text: special-token strings in it stay plain text."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Text a chat template rendered: its special-token strings are the special tokens."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one (non-special) token decodes to: a text longer than this times a context
+        can never fit it, and is refused before it is tokenized."""
+        if self._max_token_chars is None:
+            special = {t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special}
+            vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+            lengths = [
+                len(self._tokenizer.decode([i], skip_special_tokens=False))
+                for s, i in vocab.items()
+                if s not in special
+            ]
+            self._max_token_chars = max(lengths, default=1) or 1
+        return self._max_token_chars
 
     def encode_with_special_tokens(self, text: str) -> list[int]:
         """As the source tokenizer would (its post-processor may add BOS/EOS); used by exporters."""

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import Scope
 
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.registry import bundled_models
 from moe_serve.server.errors import install_error_handlers
+from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
-from moe_serve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
+from moe_serve.server.middleware import AccessLogMiddleware, AdmissionMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
+from moe_serve.server.openapi import clean_openapi
 from moe_serve.server.routes import dashboard, openai, ops, pooling
 from moe_serve.server.serving import ServedModel, ServingContext
 from moe_serve.server.settings import ServerSettings
+
+PREPARE_THREADS = 4  # tokenizing and template rendering run here, never on the event loop
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, ServedModel]:
@@ -35,25 +41,35 @@ def create_app(
 ) -> FastAPI:
     metrics = metrics or Metrics(settings.expert_metrics)
     served = models if models is not None else load_models(settings, metrics)
+    executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+
+    lifecycle = Lifecycle()
+
+    async def drain() -> None:
+        await lifecycle.drain([model.engine for model in served.values()], settings.drain_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        # Shutdown (uvicorn has stopped accepting and waited for open requests): let engines finish, then stop.
-        app.state.draining = True
-        for model in served.values():
-            await model.engine.drain(settings.drain_timeout)
-            model.engine.shutdown()
+        await drain()  # already done when a signal started it; else (an embedding app stopping) now
+        executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan)
-    app.state.ctx = ServingContext(served, settings, metrics)
-    app.state.draining = False
+    app.state.ctx = ServingContext(served, settings, metrics, executor)
+    app.state.lifecycle = lifecycle
+    app.state.drain = drain
     install_error_handlers(app)
-    app.include_router(openai.router)
-    app.include_router(pooling.router)
-    app.include_router(ops.router)
-    app.include_router(dashboard.router)
-    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    for router in (openai.router, pooling.router, ops.router, dashboard.router):
+        app.include_router(router)
+    clean_openapi(app)
+
+    def endpoint_of(scope: Scope) -> str:
+        """The route template the request matched (the router records it in the scope): a bounded label
+        set, whatever paths clients send."""
+        return getattr(scope.get("route"), "path", None) or "unmatched"
+
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=settings.open_paths)
+    app.add_middleware(AdmissionMiddleware, max_requests=settings.max_concurrent_requests, lifecycle=lifecycle)
+    app.add_middleware(AccessLogMiddleware, metrics=metrics, endpoint_of=endpoint_of)
     return app

@@ -1,22 +1,27 @@
-"""Plain-ASGI middleware (so handlers still see client disconnects), outermost first: request id +
-access log + request counter, body size limit, API key."""
+"""Plain-ASGI middleware (so handlers still see client disconnects), outermost first: request id + access
+log + request counter, admission (draining, concurrency limit), API key, body size limit."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_serve.api.errors import ApiError, api_error
+from moe_serve.errors import ClientDisconnectedError
+from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
 
 access_log = logging.getLogger("moe_serve.access")
 logger = logging.getLogger("moe_serve.server")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -24,23 +29,26 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class AccessLogMiddleware:
-    """Request id (X-Request-Id honoured or generated), the request counter, one JSON access-log line
-    written when the response (streamed or not) is complete, and a sanitized 500 for anything unexpected."""
+    """Request id (a well-formed X-Request-Id honoured, else generated), the request counter (labelled by
+    route template: a bounded set), one JSON access-log line when the response (streamed or not) is
+    complete, and a sanitized 500 for anything unexpected."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, endpoint_of: Callable[[Scope], str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.endpoint_of = endpoint_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = dict(scope["headers"]).get(b"x-request-id", b"").decode() or uuid.uuid4().hex
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})  # what handlers see as request.state
         state["request_id"] = request_id
         start = time.monotonic()
         status = 0
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -49,20 +57,22 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnectedError:
+            status = status or 499
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             if not status:
                 await error_response(api_error(exc, request_id))(scope, receive, send_with_id)
         finally:
-            path = scope["path"]
-            if path.startswith("/v1/"):
-                self.metrics.requests.labels(path, str(status or 500), state.get("model") or "").inc()
+            endpoint = self.endpoint_of(scope)
+            if endpoint.startswith("/v1/"):
+                self.metrics.requests.labels(endpoint, str(status or 500), state.get("model") or "").inc()
             access_log.info(
                 json.dumps(
                     {
                         "request_id": request_id,
                         "method": scope["method"],
-                        "path": path,
+                        "path": endpoint,
                         "status": status or 500,
                         "model": state.get("model"),
                         "k": state.get("k"),
@@ -74,15 +84,44 @@ class AccessLogMiddleware:
             )
 
 
-class ApiKeyMiddleware:
-    """Bearer auth on /v1/*, compared in constant time."""
+class AdmissionMiddleware:
+    """503 with Retry-After, in the error envelope, for API requests while the server drains or while it
+    already handles its maximum of requests. Counts the requests in flight (what a drain waits for)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, max_requests: int, lifecycle: Lifecycle) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_requests = max_requests
+        self.lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        lifecycle = self.lifecycle
+        if lifecycle.draining:
+            error = ApiError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
+            return await error_response(error)(scope, receive, send)
+        if lifecycle.in_flight >= self.max_requests:
+            message = f"the server is handling its maximum of {self.max_requests} requests; retry later"
+            error = ApiError(503, message, "service_unavailable", headers={"Retry-After": "1"})
+            return await error_response(error)(scope, receive, send)
+        lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lifecycle.in_flight -= 1
+
+
+class ApiKeyMiddleware:
+    """Bearer auth on everything but the open paths (the health probes, and monitoring when it is made
+    public), compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
@@ -93,14 +132,15 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, whether announced by Content-Length or streamed."""
+    """413 for bodies over the limit, announced by Content-Length or not (chunked): the body is read here,
+    up to the limit, before the application sees any of it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         too_large = error_response(
             ApiError(413, f"request body exceeds {self.max_bytes} bytes", "invalid_request_error")
@@ -108,21 +148,25 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await too_large(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge
-            return message
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await too_large(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnects still arrive
 
-
-class _BodyTooLarge(Exception):
-    pass
+        return await self.app(scope, replay, send)

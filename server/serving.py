@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -19,10 +20,12 @@ from moe_serve.api import responses
 from moe_serve.api.errors import api_error
 from moe_serve.api.prepare import GenerationJob, prepare_chat, prepare_completion, prepare_pooling
 from moe_serve.artifact import Artifact
-from moe_serve.engine.async_engine import AsyncEngine, RequestUpdate
+from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate
 from moe_serve.errors import ClientDisconnectedError, ModelNotFoundError, ValidationError
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.settings import ServerSettings
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -51,6 +54,11 @@ class ServingContext:
     models: dict[str, ServedModel]
     settings: ServerSettings
     metrics: Metrics
+    executor: Executor  # tokenizing and template rendering: off the event loop
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run request preparation in the preparation threads, so the event loop never waits on it."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def model(self, name: str | None) -> ServedModel:
         if name is None:
@@ -104,13 +112,14 @@ async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[
 
 async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
     served = ctx.model(request.model)
-    job = prepare_completion(served.engine.inputs, request, ctx.settings.limits)
+    job = await ctx.prepare(prepare_completion, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
     if request.stream:
         tokenizer = served.artifact.tokenizer
         choice = lambda i, u: responses.completion_chunk_choice(tokenizer, job, i, u)  # noqa: E731
-        return _event_stream(ctx, served, job, "completions", request.stream_options, http.state, choice)
-    results = await _unless_disconnected(http, asyncio.gather(*(served.engine.generate_final(r) for r in job.requests)))
+        return _event_stream(ctx, served, job, streams, "completions", request.stream_options, http.state, choice)
+    results = await _unless_disconnected(http, asyncio.gather(*(s.final() for s in streams)))
     for result in results:
         prompt_tokens = len(result.prompt_token_ids)
         ctx.metrics.record_generation(served.name, "completions", job.reported_k, prompt_tokens, result.metrics)
@@ -120,21 +129,14 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
 
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
     served = ctx.model(request.model)
-    job = prepare_chat(served.engine.inputs, request, ctx.settings.limits)
+    job = await ctx.prepare(prepare_chat, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
     if request.stream:
         choice = lambda _, u: responses.chat_chunk_choice(u)  # noqa: E731
-        return _event_stream(
-            ctx,
-            served,
-            job,
-            "chat",
-            request.stream_options,
-            http.state,
-            choice,
-            first=responses.chat_role_choices(job.params.n),
-        )
-    result = await _unless_disconnected(http, served.engine.generate_final(job.requests[0]))
+        first = responses.chat_role_choices(job.params.n)
+        return _event_stream(ctx, served, job, streams, "chat", request.stream_options, http.state, choice, first)
+    result = await _unless_disconnected(http, streams[0].final())
     ctx.metrics.record_generation(served.name, "chat", job.reported_k, job.prompt_tokens, result.metrics)
     http.state.completion_tokens = result.num_generated_tokens
     return responses.chat_response(served.name, job, result)
@@ -144,6 +146,7 @@ def _event_stream(
     ctx: ServingContext,
     served: ServedModel,
     job: GenerationJob,
+    streams: list[GenerationStream],
     endpoint: str,
     options: p.StreamOptions | None,
     state: Any,
@@ -160,7 +163,7 @@ def _event_stream(
             yield _sse({**header, "choices": first})
         completion_tokens = 0
         try:
-            async for prompt_index, update in _merged([served.engine.generate(r) for r in job.requests]):
+            async for prompt_index, update in _merged(streams):
                 for u in update.updates:
                     completion_tokens += len(u.token_ids)
                     yield _sse({**header, "choices": [choice(prompt_index, u)]})
@@ -172,6 +175,9 @@ def _event_stream(
                 yield _sse({**header, "choices": [], "usage": usage.model_dump()})
         except Exception as exc:  # headers are gone: report in-band, then close the stream
             yield _sse(api_error(exc).body())
+        finally:
+            for stream in streams:
+                stream.abort()  # whatever ended the stream (a client gone, an error), the work stops
         state.completion_tokens = completion_tokens
         yield "data: [DONE]\n\n"
 
@@ -183,20 +189,20 @@ def _event_stream(
 
 async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> p.ClassifyResponse:
     served = ctx.model(request.model)
-    job = prepare_pooling(served.engine.inputs, request)
+    job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
-    results = await served.engine.classify(job.token_ids, job.k)
+    results = await _unless_disconnected(http, served.engine.classify(job.token_ids, job.k))
     ctx.metrics.record_pooling(served.name, "classify", job.reported_k, time.monotonic() - start, job.prompt_tokens)
     return responses.classify_response(served.name, job, results)
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
     served = ctx.model(request.model)
-    job = prepare_pooling(served.engine.inputs, request)
+    job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
-    results = await served.engine.score(job.token_ids, job.k, job.return_token_logprobs)
+    results = await _unless_disconnected(http, served.engine.score(job.token_ids, job.k, job.return_token_logprobs))
     ctx.metrics.record_pooling(served.name, "score", job.reported_k, time.monotonic() - start, job.prompt_tokens)
     return responses.score_response(served.name, job, results)
 
@@ -208,6 +214,9 @@ async def _unless_disconnected(http: Request, work: Any) -> Any:
         await asyncio.wait({task}, timeout=0.25)
         if not task.done() and await http.is_disconnected():
             task.cancel()
+            await asyncio.wait({task})  # let the cancellation land, then mark its outcome seen (asyncio logs
+            if not task.cancelled():  # a gather's unretrieved CancelledError as an ERROR otherwise)
+                task.exception()
             raise ClientDisconnectedError("client closed the request")
     return task.result()
 

@@ -63,4 +63,5 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
         return f"malformed JSON in the request body: {error.get('msg', '')}", None
     if error.get("type") == "missing":
         return f"{param} is required", param
-    return f"{param}: {error.get('msg', 'invalid value')}" if param else error.get("msg", "invalid request"), param
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")  # our validators' own words
+    return (f"{param}: {message}" if param else message), param

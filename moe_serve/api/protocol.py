@@ -9,12 +9,36 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from moe_serve.errors import ValidationError
-from moe_serve.sampling_params import SamplingParams
+from moe_serve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    SamplingParams,
+)
+
+
+def _utf8(value: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800") that no tokenizer can encode: refused here, by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid text: a lone surrogate at position {exc.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
 
 logger = logging.getLogger(__name__)
 
@@ -34,22 +58,29 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(_Request):
-    """Sampling fields; a field left out takes SamplingParams' default (the one place defaults live)."""
+    """Sampling fields; a field left out takes SamplingParams' default (the one place defaults live). The
+    ranges are SamplingParams' own (moe_serve.sampling_params), declared here so the schema shows them."""
 
-    max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: StrictInt | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Finite, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    stop: (
+        Annotated[NonEmptyText, Field(max_length=MAX_STOP_LENGTH)]
+        | Annotated[
+            list[Annotated[NonEmptyText, Field(max_length=MAX_STOP_LENGTH)]], Field(max_length=MAX_STOP_STRINGS)
+        ]
+        | None
+    ) = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    user: Text | None = None
     # --- moe-serve extensions (OpenAI clients send them through extra_body) ---
-    experts_per_token: StrictInt | None = None
-    top_k: StrictInt | None = None
+    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
     ignore_eos: StrictBool | None = None
 
     def refuse_unsupported(self) -> None:
@@ -77,10 +108,10 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
 
 
 class CompletionRequest(_SamplingFields):
-    model: str | None = None
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    model: Text | None = None
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: StrictInt | None = None
 
     def refuse_unsupported(self) -> None:
@@ -103,15 +134,15 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Text
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
         if self.max_completion_tokens is not None:
@@ -120,15 +151,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ClassifyRequest(_Request):
-    model: str | None = None
-    input: str | list[str]
-    experts_per_token: StrictInt | None = None
+    model: Text | None = None
+    input: Text | list[Text]
+    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
 
 
 class ScoreRequest(_Request):
-    model: str | None = None
-    input: str | list[str]
-    experts_per_token: StrictInt | None = None
+    model: Text | None = None
+    input: Text | list[Text]
+    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
     return_token_logprobs: StrictBool = False
 
 

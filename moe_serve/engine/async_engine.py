@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,10 +78,75 @@ class _Submission:
     k: int = 0
     kind: SequenceKind = SequenceKind.GENERATE
 
+    @property
+    def num_sequences(self) -> int:
+        return self.request.params.n if self.request is not None else len(self.token_ids or ())
+
+
+class GenerationStream:
+    """One admitted generation request. Iterate it for its updates; closing it early, or dropping it without
+    reading it to the end, aborts the request in the engine."""
+
+    def __init__(self, engine: AsyncEngine, submission: _Submission) -> None:
+        self._engine = engine
+        self._submission = submission
+        self._done = False
+
+    @property
+    def request(self) -> GenerationRequest:
+        assert self._submission.request is not None
+        return self._submission.request
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> RequestUpdate:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            update = await self._submission.stream.queue.get()
+        except BaseException:
+            self.abort()  # cancelled: the client is gone
+            raise
+        if isinstance(update, BaseException):
+            self._done = True
+            raise update
+        self._done = update.finished
+        return update
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self._submission.request_id)
+
+    def __del__(self) -> None:  # never read (the response never started): the engine stops its work
+        try:
+            self.abort()
+        except Exception:  # noqa: BLE001  # interpreter shutdown
+            pass
+
+    async def final(self) -> RequestOutput:
+        """Read the stream to its end: every completion, whole."""
+        request = self.request
+        outputs = [CompletionOutput(i, "", [], None, [], []) for i in range(request.params.n)]
+        metrics = None
+        async for update in self:
+            for u in update.updates:
+                out = outputs[u.index]
+                out.text += u.text_delta
+                out.token_ids += u.token_ids
+                out.logprobs += u.logprobs  # type: ignore[operator]  # lists, set above
+                out.top_logprobs += u.top_logprobs  # type: ignore[operator]
+                out.finish_reason = u.finish_reason or out.finish_reason
+            if update.finished:
+                metrics = update.metrics
+        reported_k = self._engine.engine.model_config.reported_k(request.k)
+        return RequestOutput(self._submission.request_id, None, request.prompt_token_ids, outputs, reported_k, metrics)
+
 
 class AsyncEngine:
     """What a server needs from one model: validated inputs (`inputs`), streaming generation,
-    classification and scoring, queue and cache figures, expert load, drain and shutdown."""
+    classification and scoring, queue and cache figures, expert load, shutdown."""
 
     def __init__(self, engine: LLMEngine, *, track_expert_load: bool = False) -> None:
         self.engine = engine
@@ -139,7 +203,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting + len(self._inbox)
+        """Sequences not yet running: in the scheduler's queue and not yet handed to it."""
+        return self.engine.num_waiting + sum(s.num_sequences for s in self._inbox)
 
     @property
     def num_requests(self) -> int:
@@ -151,39 +216,25 @@ class AsyncEngine:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest, request_id: str | None = None) -> AsyncIterator[RequestUpdate]:
-        """Stream a request's updates; leaving the iteration early (client gone) aborts it at once."""
-        submission = self._submit(request_id, request=request)
-        finished = False
-        try:
-            while True:
-                update = await submission.stream.queue.get()
-                if isinstance(update, BaseException):
-                    raise update
-                yield update
-                if update.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(submission.request_id)
+    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
+        """Admit requests now, all or none (EngineOverloadedError, EngineStoppedError): call this before a
+        response starts, so that a refusal can still be a 429 or 503. Iterate each stream for its updates."""
+        submissions = self._submit([{"request": r} for r in requests])
+        return [GenerationStream(self, s) for s in submissions]
 
-    async def generate_final(self, request: GenerationRequest, request_id: str | None = None) -> RequestOutput:
-        """Run a request to completion and return all its completions at once."""
-        outputs = [CompletionOutput(i, "", [], None, [], []) for i in range(request.params.n)]
-        metrics = None
-        async for update in self.generate(request, request_id):
-            for u in update.updates:
-                out = outputs[u.index]
-                out.text += u.text_delta
-                out.token_ids += u.token_ids
-                out.logprobs += u.logprobs  # type: ignore[operator]  # lists, set above
-                out.top_logprobs += u.top_logprobs  # type: ignore[operator]
-                out.finish_reason = u.finish_reason or out.finish_reason
-            if update.finished:
-                metrics = update.metrics
-        reported_k = self.engine.model_config.reported_k(request.k)
-        return RequestOutput(request_id or "", None, request.prompt_token_ids, outputs, reported_k, metrics)
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestUpdate]:
+        """Stream one request's updates; leaving the iteration early (client gone) aborts it at once."""
+        (stream,) = self.submit([request])
+        try:
+            async for update in stream:
+                yield update
+        finally:
+            stream.abort()
+
+    async def generate_final(self, request: GenerationRequest) -> RequestOutput:
+        """Run one request to completion and return all its completions at once."""
+        (stream,) = self.submit([request])
+        return await stream.final()
 
     # ---- classification and scoring -------------------------------------------------------------
 
@@ -198,7 +249,7 @@ class AsyncEngine:
 
     async def _pool(self, token_ids: list[list[int]], k: int, kind: SequenceKind) -> list[Sequence]:
         """Inputs run through the engine's steps like prompts; their sequences once all are finished."""
-        submission = self._submit(None, token_ids=token_ids, k=k, kind=kind)
+        (submission,) = self._submit([{"token_ids": token_ids, "k": k, "kind": kind}])
         try:
             update = await submission.stream.queue.get()
         except BaseException:
@@ -210,38 +261,43 @@ class AsyncEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    def _submit(self, request_id: str | None, **work: Any) -> _Submission:
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        submission = _Submission(request_id or self.new_request_id(), stream, **work)
+    def _submit(self, works: list[dict[str, Any]]) -> list[_Submission]:
+        """Queue work for the engine thread, all of it or none: it is refused whole when the queue is full."""
+        loop = asyncio.get_running_loop()
+        submissions = [_Submission(self.new_request_id(), _Stream(asyncio.Queue(), loop), **work) for work in works]
+        count = sum(s.num_sequences for s in submissions)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the server is shutting down")
-            if self.num_waiting >= self.max_waiting:
-                raise EngineOverloadedError(f"{self.num_waiting} requests are waiting (limit {self.max_waiting})")
-            self._inbox.append(submission)
-            self._streams[submission.request_id] = stream
+            waiting = self.num_waiting
+            if waiting + count > self.max_waiting:
+                raise EngineOverloadedError(
+                    f"{waiting} sequences are waiting and this request adds {count} (limit {self.max_waiting})"
+                )
+            for submission in submissions:
+                self._inbox.append(submission)
+                self._streams[submission.request_id] = submission.stream
             self._lock.notify()
-        return submission
+        return submissions
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
             self._lock.notify()
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Refuse new requests and wait until those in flight are done."""
-        with self._lock:
-            self._stopping = True
-        deadline = time.monotonic() + timeout
-        while self.num_requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
     def shutdown(self) -> None:
+        """Stop the engine thread; requests not finished fail with EngineStoppedError (a 503), new ones
+        are refused with it. Idempotent."""
         with self._lock:
             self._stopping = True
             self._exit = True
             self._lock.notify()
         self._thread.join(timeout=10)
+        with self._lock:  # the thread is gone (or stuck in a step): what it held ends here
+            left = {s.request_id: s.stream for s in self._inbox} | self._streams
+            self._inbox, self._streams = [], {}
+        for stream in left.values():
+            stream.put(EngineStoppedError("the server stopped before this request finished"))
 
     # ---- the engine thread ----------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from moe_serve.errors import ValidationError
 from moe_serve.model_config import ModelConfig
-from moe_serve.sampling_params import SamplingParams, check_int
+from moe_serve.sampling_params import SamplingParams
 from moe_serve.tokenizer import Tokenizer
+from moe_serve.validation import check_int
 
 
 @dataclass(slots=True)
@@ -45,10 +46,22 @@ class InputProcessor:
         check_int("experts_per_token", value, moe.min_k, moe.max_k)
         return value
 
+    @property
+    def max_text_chars(self) -> int:
+        """No text longer than this can fit the context, whatever its tokens."""
+        return self.max_model_len * self.tokenizer.max_token_chars
+
     def encode_text(self, text: str, parameter: str) -> list[int]:
-        """Token ids of a text input, starting with BOS for models that want it; checked against the context."""
+        """Token ids of a text input, starting with BOS for models that want it; checked against the context
+        (a text that cannot fit is refused by its length, before it is tokenized)."""
         if not isinstance(text, str):
             raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
+        if len(text) > self.max_text_chars:
+            raise ValidationError(
+                f"{parameter} has {len(text)} characters; this model's context is {self.max_model_len} tokens, "
+                f"which hold at most {self.max_text_chars} characters",
+                parameter=parameter,
+            )
         ids = self.tokenizer.encode(text)
         if not ids:
             raise ValidationError(f"{parameter} must not be empty", parameter=parameter)

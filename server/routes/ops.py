@@ -1,4 +1,4 @@
-"""/health, /ready and /metrics: open even when an API key is set."""
+"""/health and /ready (open even when an API key is set: probes) and /metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    if request.app.state.draining:
+    if request.app.state.lifecycle.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ready", "models": list(request.app.state.ctx.models)})
 

@@ -54,7 +54,7 @@ def test_every_endpoint_bad_lines_and_duplicates(tmp_path: Path, models) -> None
         + "\n"
     )
     output = tmp_path / "out.jsonl"
-    summary, written = run_batch(inputs, output, default_model=lm, ks=[1, 4], progress=False)
+    summary, written = run_batch(inputs, output, default_model=lm, models=(clf,), ks=[1, 4], progress=False)
     lines = [json.loads(raw) for raw in output.read_text().splitlines()]
     assert len(lines) == len(written) == 3 + 5 * 2  # three error lines, five runnable lines at two k
     by_key = {(x["custom_id"], x["experts_per_token_sweep"]): x for x in lines if x["error"] is None}
@@ -75,7 +75,7 @@ def test_every_endpoint_bad_lines_and_duplicates(tmp_path: Path, models) -> None
     assert "unknown url '/v1/embeddings'" in errors["invalid_request"]["error"]["message"]
     assert summary.duplicates == ["gen"] and summary.requests == 10 and summary.errors == 3 + 2
     # A second run finds everything done and writes nothing.
-    summary2, written2 = run_batch(inputs, output, default_model=lm, ks=[1, 4], progress=False)
+    summary2, written2 = run_batch(inputs, output, default_model=lm, models=(clf,), ks=[1, 4], progress=False)
     assert written2 == [] and summary2.skipped == 10
 
 
@@ -89,6 +89,72 @@ def test_k_out_of_range_without_sweep_is_a_400_naming_the_parameter(tmp_path: Pa
         and error["param"] == "experts_per_token"
         and "between 1 and 4" in error["message"]
     )
+
+
+def test_poison_lines_fail_alone_and_a_rerun_resumes(tmp_path: Path, models) -> None:
+    lm, clf = str(models["lm"]), str(models["clf"])
+    raw = [
+        line("ok", "/v1/completions", {"prompt": "x", "max_tokens": 2}).encode(),
+        line("classifier", "/v1/completions", {"model": clf, "prompt": "x"}).encode(),
+        b'{"custom_id": "latin-1", "method": "POST", "url": "/v1/score", "body": {"input": "caf\xe9"}}',
+        b'{"custom_id": "surrogate", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\ud800"}}',
+        b'{"custom_id": "\\udc00", "method": "POST", "url": "/v1/score", "body": {"input": "x"}}',
+        line("top_k", "/v1/completions", {"prompt": "x", "top_k": 2**63, "temperature": 1}).encode(),
+        line("seed", "/v1/completions", {"prompt": "x", "seed": 2**64}).encode(),
+        line("etc", "/v1/completions", {"model": "/etc", "prompt": "x"}).encode(),
+        line("nowhere", "/v1/completions", {"model": "/no/such/path", "prompt": "x"}).encode(),
+        line("ok-too", "/v1/score", {"input": "fine"}).encode(),
+    ]
+    inputs, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inputs.write_bytes(b"\n".join(raw) + b"\n")
+    summary, written = run_batch(inputs, output, default_model=lm, models=(clf,), progress=False)
+    lines = [json.loads(raw) for raw in output.read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == len(written) == 10
+    status = {x["custom_id"]: (x["response"] or {}).get("status_code") for x in lines}
+    codes = {x["error"]["line"]: x["error"]["code"] for x in lines if x["error"]}
+    assert status["ok"] == status["ok-too"] == 200
+    assert status["classifier"] == status["surrogate"] == status["top_k"] == status["seed"] == 400
+    assert codes == {3: "invalid_encoding", 5: "invalid_request"}
+    # A model path outside the allowed set is refused alike whether or not it exists.
+    refusal = {x["custom_id"]: x["response"]["body"]["error"] for x in lines if x["custom_id"] in ("etc", "nowhere")}
+    assert status["etc"] == status["nowhere"] == 404
+    assert refusal["etc"]["message"].replace("/etc", "?") == refusal["nowhere"]["message"].replace("/no/such/path", "?")
+    assert summary.errors == 8
+    again, rewritten = run_batch(inputs, output, default_model=lm, models=(clf,), progress=False)
+    assert rewritten == [] and again.skipped == 8
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--chunk-size", "0"], "chunk_size must be at least 1, got 0"),
+        (["--chunk-size", "-1"], "chunk_size must be at least 1, got -1"),
+        (["-o", "{tmp}"], "is a directory"),
+        (["-o", "/dev/full"], "No space left on device"),
+        (["-o", "/sys/moe-serve.jsonl"], "cannot write /sys/moe-serve.jsonl: Permission denied"),
+        (["-o", "{tmp}/in.jsonl"], "is not a batch output (line 1 is not a result line)"),
+    ],
+    ids=["chunk 0", "chunk -1", "directory", "full disk", "read-only", "not an output"],
+)
+def test_batch_command_errors_are_one_line(tmp_path: Path, models, capsys, args: list[str], message: str) -> None:
+    from moe_serve.cli import main
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(line("a", "/v1/score", {"input": "x"}) + "\n")
+    output = ["-o", str(tmp_path / "out.jsonl")]
+    argv = ["batch", "-i", str(inputs), "--model", str(models["lm"]), *output, *[a.format(tmp=tmp_path) for a in args]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_output_to_a_pipe_does_not_try_to_resume_from_it(tmp_path: Path, models) -> None:
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(line("a", "/v1/score", {"input": "to stdout"}) + "\n")
+    argv = ["batch", "-i", str(inputs), "--model", str(models["lm"]), "-o", "/dev/stdout", "--json"]
+    result = subprocess.run([sys.executable, "-m", "moe_serve", *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[0])["custom_id"] == "a"
 
 
 @pytest.mark.slow
@@ -163,7 +229,7 @@ def test_quality_rows_from_a_labelled_sweep(tmp_path: Path, models) -> None:
         + "\n"
     )
     output = tmp_path / "out.jsonl"
-    run_batch(inputs, output, default_model=clf, ks=[1, 4], progress=False)
+    run_batch(inputs, output, default_model=clf, models=(str(models["lm"]),), ks=[1, 4], progress=False)
     rows = quality_rows(output, "labelled")
     metrics = {(r.model, r.metric, r.k) for r in rows}
     assert metrics == {

@@ -35,11 +35,24 @@ def test_dashboard_json_is_what_the_builder_writes() -> None:
     assert json.loads(DASHBOARD.read_text()) == module.build()
 
 
-def test_promtool_accepts_the_scrape_config() -> None:
-    promtool = require_binary("promtool", "prometheus")
-    result = subprocess.run(
-        [promtool, "check", "config", str(ROOT / "deploy" / "prometheus.yml")], capture_output=True, text=True
+def scrape_config(tmp_path: Path, target: str, key: str) -> Path:
+    """deploy/prometheus.yml aimed at `target`, its credentials file (the compose secret) written here."""
+    (tmp_path / "api_key").write_text(key + "\n")
+    config = (ROOT / "deploy" / "prometheus.yml").read_text()
+    assert "credentials_file: /run/secrets/api_key" in config  # the compose file's secret
+    config = (
+        config.replace('["moe-serve:8000"]', f'["{target}"]')
+        .replace("scrape_interval: 5s", "scrape_interval: 1s")
+        .replace("/run/secrets/api_key", str(tmp_path / "api_key"))
     )
+    (tmp_path / "prometheus.yml").write_text(config)
+    return tmp_path / "prometheus.yml"
+
+
+def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
+    promtool = require_binary("promtool", "prometheus")
+    config = scrape_config(tmp_path, "127.0.0.1:8000", "k")
+    result = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -48,17 +61,14 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
     QualityTable(tuple(QualityRow("shakespeare", k, "bits_per_byte", 3.0 - 0.1 * k) for k in (1, 2, 4))).merge_into(
         artifacts["lm"] / "quality.json"
     )
-    server = start_server(ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"]))))
-    config = (ROOT / "deploy" / "prometheus.yml").read_text()
-    config = config.replace('["moe-serve:8000"]', f'["{server.url.removeprefix("http://")}"]').replace(
-        "scrape_interval: 5s", "scrape_interval: 1s"
-    )
-    (tmp_path / "prometheus.yml").write_text(config)
+    key = "scrape-key"  # /metrics is protected with the API key, as in the compose deployment
+    server = start_server(ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"])), api_key=key))
+    config = scrape_config(tmp_path, server.url.removeprefix("http://"), key)
     port = free_port()
     process = subprocess.Popen(
         [
             prometheus,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--config.file={config}",
             f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ],
@@ -67,7 +77,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
     )
     api = f"http://127.0.0.1:{port}/api/v1/query"
     try:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
+        with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
             deadline = time.time() + 12
             while time.time() < deadline:  # traffic at two k (and some errors) while Prometheus scrapes every second
                 for k in (1, 4):

@@ -15,6 +15,7 @@ import uvicorn
 
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.server.app import create_app
+from moe_serve.server.lifecycle import build_server
 from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
 from tests.conftest import classifier_config, lm_config
@@ -45,8 +46,8 @@ class RunningServer:
 
 def start_server(settings: ServerSettings) -> RunningServer:
     port = free_port()
-    app = create_app(replace(settings, port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    settings = replace(settings, port=port, log_level="warning")
+    server = build_server(app := create_app(settings), settings)  # what `moe-serve serve` runs
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

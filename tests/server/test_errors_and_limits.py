@@ -4,6 +4,7 @@ OpenAI envelope with the right status and `param`, and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 
 from moe_serve.config import EngineConfig
 from moe_serve.server.settings import ServerSettings
+from moe_serve.testing import create_random_artifact
+from tests.conftest import lm_config
 from tests.server.conftest import free_port, start_server
 
 BAD = {
@@ -22,7 +25,12 @@ BAD = {
     "prompt missing": ({"model": "tiny-lm"}, 400, "prompt", "prompt is required"),
     "max_tokens wrong type": ({"model": "tiny-lm", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
     "temperature wrong type": ({"model": "tiny-lm", "prompt": "x", "temperature": [1]}, 400, "temperature", "number"),
-    "k zero": ({"model": "tiny-lm", "prompt": "x", "experts_per_token": 0}, 400, "experts_per_token", "at least 1"),
+    "k zero": (
+        {"model": "tiny-lm", "prompt": "x", "experts_per_token": 0},
+        400,
+        "experts_per_token",
+        "greater than or equal to 1",
+    ),
     "k above N": (
         {"model": "tiny-lm", "prompt": "x", "experts_per_token": 5},
         400,
@@ -109,7 +117,9 @@ def test_api_key(artifacts) -> None:
                 "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer s3cret"}
             )
             assert ok.status_code == 200
-            assert all(http.get(path).status_code == 200 for path in ("/health", "/ready", "/metrics"))
+            assert all(http.get(path).status_code == 200 for path in ("/health", "/ready"))
+            assert http.get("/metrics").status_code == 401  # monitoring needs the key too, unless made public
+            assert http.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     finally:
         running.stop()
 
@@ -137,37 +147,85 @@ def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(artif
             assert len(r.json()["choices"][0]["text"]) > 0
 
 
-@pytest.mark.slow
-def test_sigterm_drains_in_flight_requests(artifacts) -> None:
+def serve_process(artifact, *args: str) -> tuple[subprocess.Popen, str]:
+    """`moe-serve serve` in its own process (signals are handled in the main thread), ready to answer."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "moe_serve.server", str(artifacts["lm"]), "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "moe_serve.server", str(artifact), "--port", str(port), "--log-level", "warning", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return process, url
 
-        async def long_request_then_sigterm() -> httpx.Response:
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones_with_503(tmp_path) -> None:
+    long_context = create_random_artifact(tmp_path / "long", lm_config(max_position_embeddings=4096))
+    process, url = serve_process(long_context)
+    try:
+
+        async def long_request_then_sigterm() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                task = asyncio.create_task(
-                    http.post("/v1/completions", json={"prompt": "drain", "max_tokens": 120, "ignore_eos": True})
-                )
+                body = {"prompt": "drain", "max_tokens": 1500, "ignore_eos": True}  # a few seconds of work
+                task = asyncio.create_task(http.post("/v1/completions", json=body))
                 await asyncio.sleep(0.3)
                 os.kill(process.pid, signal.SIGTERM)
-                return await task
+                await asyncio.sleep(0.3)
+                # Still listening while it drains: a new request gets a 503, /ready shows the drain.
+                refused = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 1})
+                ready = await http.get("/ready")
+                return await task, refused, ready
 
-        response = asyncio.run(long_request_then_sigterm())
+        response, refused, ready = asyncio.run(long_request_then_sigterm())
         assert response.status_code == 200
-        assert response.json()["usage"]["completion_tokens"] == 120
+        assert response.json()["usage"]["completion_tokens"] == 1500
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert ready.status_code == 503 and ready.json() == {"status": "draining"}
         # uvicorn re-raises the signal once drained, so the exit status is SIGTERM's (or 0).
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_past_the_drain_timeout_requests_end_with_a_503_and_streams_with_an_error_event(tmp_path) -> None:
+    long_context = create_random_artifact(tmp_path / "long", lm_config(max_position_embeddings=4096))
+    process, url = serve_process(long_context, "--drain-timeout", "0.5", "--max-num-seqs", "1")
+    try:
+
+        async def scenario() -> tuple[httpx.Response, str]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                body = {"prompt": "never done", "max_tokens": 4000, "ignore_eos": True}  # seconds of work each
+                plain = asyncio.create_task(http.post("/v1/completions", json=body))
+                events: list[str] = []
+
+                async def stream() -> None:
+                    request = {**body, "stream": True}
+                    async with http.stream("POST", "/v1/completions", json=request) as response:
+                        assert response.status_code == 200
+                        async for line in response.aiter_lines():
+                            events.append(line)
+
+                streamed = asyncio.create_task(stream())
+                await asyncio.sleep(0.3)
+                os.kill(process.pid, signal.SIGTERM)
+                await streamed
+                return await plain, "\n".join(events)
+
+        plain, events = asyncio.run(scenario())
+        assert plain.status_code == 503 and plain.json()["error"]["type"] == "service_unavailable"
+        data = [line.removeprefix("data: ") for line in events.splitlines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == 503
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
         if process.poll() is None:

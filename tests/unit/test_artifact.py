@@ -71,7 +71,7 @@ BAD_CONFIGS = {
     ),
     "k default zero": (
         lambda m: m["model"]["moe"]["experts_per_token"].__setitem__("default", 0),
-        "experts_per_token.default must be a positive integer",
+        "experts_per_token.default must be an integer between 1 and",
     ),
     "not a moe-serve config": (lambda m: m.__setitem__("format", "gguf"), "is not a moe-serve artifact config"),
     "missing field": (lambda m: m["model"].pop("hidden_size"), "model: missing required field 'hidden_size'"),

@@ -48,7 +48,7 @@ BAD_CALLS = {
     "temperature negative": (
         lambda llm: llm.generate("hi", SamplingParams(temperature=-1)),
         "temperature",
-        "at least 0",
+        "between 0.0 and 100.0",
     ),
     "top_p above one": (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p", "between 0.0 and 1.0"),
     "params count": (
