@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.hidden_size = d
         # Computed by prepare() after the weights are loaded.
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._o: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, Dh]
         self._r_k: torch.Tensor | None = None  # [R, H, Dh]
         self._r_kt: torch.Tensor | None = None  # [H, Dh, R] (the C++ kernel's layout)
@@ -72,6 +73,7 @@ class Attention(nn.Module):
                 setattr(p, name, nn.Parameter(fused[start : start + size], requires_grad=False))
                 start += size
         self._qkv = (weight, bias)
+        self._o = (self.o_proj.weight, self.o_proj.bias)
         device, max_len = weight.device, self.config.max_position_embeddings
         if self.position == "rotary":
             self._rotary = rotary_cos_sin(
@@ -111,7 +113,7 @@ class Attention(nn.Module):
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
-        return ops.linear(out.reshape(t, h * dh), self.o_proj.weight, self.o_proj.bias)
+        return ops.linear(out.reshape(t, h * dh), *self._o)  # type: ignore[misc]
 
 
 def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:

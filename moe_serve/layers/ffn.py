@@ -91,16 +91,6 @@ class ExpertBank(nn.Module):
             self._weight(first), self._weight(last), self.config.activation, self._bias(first), w3, b3, self._bias(last)
         )
 
-    def forward_grouped(
-        self,
-        x: torch.Tensor,  # [T, D]
-        topk_ids: torch.Tensor,  # [T, K] expert per slot, -1 for slots beyond the token's k
-        topk_weights: torch.Tensor,  # [T, K] fp32, 0 for unused slots
-    ) -> torch.Tensor:
-        """Sum over each token's slots of weight * expert(x). Every used slot is computed exactly once;
-        slots are grouped by expert and each expert runs once on its slots."""
-        return ops.moe_experts(x, topk_ids, topk_weights, self.weights())
-
     def forward_merged(
         self,
         x: torch.Tensor,  # [L, D] one sequence's tokens

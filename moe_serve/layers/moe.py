@@ -35,6 +35,8 @@ class MoEBlock(nn.Module):
         self.routing: Router = router_class(config.router.kind)(config.router, config.num_experts)
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
         self.expert_load: torch.Tensor | None = None
+        self._router: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by prepare()
+        self._bank: ops.ExpertWeights | None = None
 
     def _count(self, topk_ids: torch.Tensor, tokens_per_row: torch.Tensor | None = None) -> None:
         if self.expert_load is None:
@@ -45,8 +47,17 @@ class MoEBlock(nn.Module):
         self.expert_load += counts.to(self.expert_load.dtype)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.router.bias is None else self.router.bias.float()
-        return ops.linear(x.float(), self.router.weight.float(), bias)
+        weight, bias = self._router if self._router is not None else self._router_weights()
+        return ops.linear(x.float(), weight, bias)
+
+    def _router_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.router.weight.float(), None if self.router.bias is None else self.router.bias.float()
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """After loading: the router in fp32 and the expert bank in the kernel's terms, looked up once."""
+        self._router = self._router_weights()
+        self._bank = self.experts.weights()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -58,7 +69,7 @@ class MoEBlock(nn.Module):
                 state = RouterState(batch.router_states[layer], batch.attention, batch.block_size)
             topk_ids, topk_weights = self.routing.route(self.router_logits(x), batch.top_k, batch.max_k, state)
             self._count(topk_ids)
-            out = self.experts.forward_grouped(x, topk_ids, topk_weights)
+            out = ops.moe_experts(x, topk_ids, topk_weights, self._bank or self.experts.weights())
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.config.shared_expert_gate:

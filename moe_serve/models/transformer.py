@@ -72,6 +72,8 @@ class MoETransformer(nn.Module):
         """After the weights are loaded: fused projections and position tables (see Attention.prepare)."""
         for layer in self.layers:
             layer.attn.prepare()
+            if layer.is_moe:
+                layer.moe.prepare()
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, D]."""
