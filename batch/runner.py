@@ -89,12 +89,12 @@ async def _run(engine: AsyncEngine, limits: RequestLimits, item: BatchItem, requ
     if isinstance(request, p.CompletionRequest | p.ChatCompletionRequest):
         is_chat = isinstance(request, p.ChatCompletionRequest)
         job = prepare_chat(inputs, request, limits) if is_chat else prepare_completion(inputs, request, limits)  # type: ignore[arg-type]
-        results = await asyncio.gather(*(stream.final() for stream in engine.submit(job.requests)))
+        results, scores = await job.gather(engine, engine.submit(job.requests) if job.generate else [])
         if is_chat:
-            body = responses.chat_response(name, job, results[0], item.line_id)
+            body = responses.chat_response(name, job, results[0], inputs.tokenizer, item.line_id)  # type: ignore[index]
         else:
-            body = responses.completion_response(name, job, list(results), inputs.tokenizer, item.line_id)
-        completion_tokens = sum(r.num_generated_tokens for r in results)
+            body = responses.completion_response(name, job, results, inputs.tokenizer, item.line_id, scores)
+        completion_tokens = sum(r.num_generated_tokens for r in results or [])
         return response_line(item, 200, body.model_dump(), job.prompt_tokens, completion_tokens)
     pooled = prepare_pooling(inputs, request, limits)  # type: ignore[arg-type]
     if pooled.kind == "classify":

@@ -228,10 +228,11 @@ def _read_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
 
 def _check_chat_template(source: str, where: Path) -> None:
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from moe_serve.chat_template import TemplateEnvironment
 
     try:
-        ImmutableSandboxedEnvironment().parse(source)
+        TemplateEnvironment(cap=0).parse(source)
     except TemplateError as exc:
         raise ArtifactError(f"{where}: chat_template is not a valid Jinja template: {exc}") from None
 

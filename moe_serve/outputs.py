@@ -59,3 +59,4 @@ class ScoreOutput:
     bits_per_byte: float
     experts_per_token: int | None
     token_logprobs: list[float] | None = field(default=None)
+    top_logprobs: list[dict[int, float]] | None = field(default=None)  # per scored token, when asked for

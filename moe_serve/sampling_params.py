@@ -18,6 +18,10 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range, [-2, 2]
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
+MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
 
 
 @dataclass(slots=True)
@@ -38,10 +42,25 @@ class SamplingParams:
         None, "the request's k, active experts per token (default: the model's)", flags=("-k",)
     )
     ignore_eos: bool = option(False, "keep generating past the end-of-text token")
+    presence_penalty: float = option(0.0, "subtract this from the logit of every token already generated (-2..2)")
+    frequency_penalty: float = option(0.0, "subtract this times its count from each generated token's logit (-2..2)")
+    repetition_penalty: float = option(
+        1.0, "divide positive logits (multiply negative ones) of prompt and generated tokens by this (1: off)"
+    )
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one (0: off)")
+    logit_bias: dict[int, float] = option(
+        help="token id -> a bias added to its logit (-100..100)", factory=dict, cli=False
+    )
+    min_tokens: int = option(0, "generate at least this many tokens before EOS or stop_token_ids can end it")
+    stop_token_ids: list[int] = option(help="token ids that end generation, like EOS", factory=list, cli=False)
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended the text in the output")
+    skip_special_tokens: bool = option(True, "leave special tokens out of the output text")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):  # JSON keys are strings: {"50256": -100}
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.verify()
 
     def verify(self) -> None:
@@ -65,7 +84,53 @@ class SamplingParams:
             )
         if self.experts_per_token is not None:
             check_int("experts_per_token", self.experts_per_token, 1)
+        check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
+        if self.repetition_penalty == 0:
+            raise ValidationError("repetition_penalty must be greater than 0, got 0", parameter="repetition_penalty")
+        check_number("min_p", self.min_p, 0.0, 1.0)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(f"{name} must be true or false", parameter=name)
+        self._verify_token_lists()
+
+    def _verify_token_lists(self) -> None:
+        """Types and sizes here; that the ids exist in the vocabulary is the engine's check (it knows it)."""
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_TOKEN_LIST:
+            raise ValidationError(
+                f"logit_bias must map at most {MAX_TOKEN_LIST} token ids to biases", parameter="logit_bias"
+            )
+        for token_id, bias in self.logit_bias.items():
+            check_int("logit_bias", token_id, 0, 2**31 - 1)
+            check_number("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_TOKEN_LIST:
+            raise ValidationError(f"stop_token_ids takes at most {MAX_TOKEN_LIST} ids", parameter="stop_token_ids")
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids", token_id, 0, 2**31 - 1)
+
+    @property
+    def token_ids_used(self) -> list[int]:
+        """The token ids the request names (the engine checks them against its vocabulary)."""
+        return [*self.logit_bias, *self.stop_token_ids]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling must change this row's logits before choosing (greedy rows included)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _token_key(key: object) -> object:
+    """ "50256" -> 50256 (left as it is when not a decimal string: verify() then names logit_bias)."""
+    return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 11 else key

@@ -16,7 +16,7 @@ from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.middleware import AccessLogMiddleware, AdmissionMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from moe_serve.server.openapi import clean_openapi
-from moe_serve.server.routes import dashboard, openai, ops, pooling
+from moe_serve.server.routes import dashboard, openai, ops, pooling, tokenizer
 from moe_serve.server.serving import ServedModel, ServingContext
 from moe_serve.server.settings import ServerSettings
 
@@ -59,7 +59,7 @@ def create_app(
     app.state.lifecycle = lifecycle
     app.state.drain = drain
     install_error_handlers(app)
-    for router in (openai.router, pooling.router, ops.router, dashboard.router):
+    for router in (openai.router, pooling.router, tokenizer.router, ops.router, dashboard.router):
         app.include_router(router)
     clean_openapi(app)
 

@@ -18,6 +18,7 @@ from moe_serve.api.errors import ApiError, api_error
 from moe_serve.errors import ClientDisconnectedError
 from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
+from moe_serve.server.settings import is_api_path
 
 access_log = logging.getLogger("moe_serve.access")
 logger = logging.getLogger("moe_serve.server")
@@ -65,7 +66,7 @@ class AccessLogMiddleware:
                 await error_response(api_error(exc, request_id))(scope, receive, send_with_id)
         finally:
             endpoint = self.endpoint_of(scope)
-            if endpoint.startswith("/v1/"):
+            if is_api_path(endpoint):
                 self.metrics.requests.labels(endpoint, str(status or 500), state.get("model") or "").inc()
             access_log.info(
                 json.dumps(
@@ -94,7 +95,7 @@ class AdmissionMiddleware:
         self.lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not is_api_path(scope["path"]):
             return await self.app(scope, receive, send)
         lifecycle = self.lifecycle
         if lifecycle.draining:

@@ -9,6 +9,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from moe_serve.server.settings import is_api_path
+
 STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERROR_STATUSES = {
     "400": "invalid request (the error names the parameter)",
@@ -44,10 +46,10 @@ def clean_openapi(app: FastAPI) -> None:
             for path, operations in schema.get("paths", {}).items():
                 for method, operation in operations.items():
                     operation.get("responses", {}).pop("422", None)
-                    if path.startswith("/v1/"):
-                        statuses = (
-                            ERROR_STATUSES if method == "post" else {c: ERROR_STATUSES[c] for c in ("401", "503")}
-                        )
+                    if is_api_path(path):
+                        named = "{" in path or path == "/tokenizer_info"  # a GET that names a model
+                        codes = ("400", "401", "404", "503") if named else ("401", "503")
+                        statuses = ERROR_STATUSES if method == "post" else {c: ERROR_STATUSES[c] for c in codes}
                         for code, description in statuses.items():
                             operation["responses"][code] = {
                                 "description": description,

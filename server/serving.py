@@ -5,6 +5,7 @@ client disconnects and what the access log and metrics record."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,13 +20,16 @@ from moe_serve.api import protocol as p
 from moe_serve.api import responses
 from moe_serve.api.errors import api_error
 from moe_serve.api.prepare import GenerationJob, prepare_chat, prepare_completion, prepare_pooling
+from moe_serve.api.prepare import detokenize as prepare_detokenize
+from moe_serve.api.prepare import tokenize as prepare_tokenize
 from moe_serve.artifact import Artifact
-from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate
+from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate, SequenceUpdate
 from moe_serve.errors import ClientDisconnectedError, ModelNotFoundError, ValidationError
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.settings import ServerSettings
 
 T = TypeVar("T")
+K_SUFFIX = ":k"  # "shakespeare-smoe:k1": the model at k = 1
 
 
 @dataclass(slots=True)
@@ -35,18 +39,34 @@ class ServedModel:
     engine: AsyncEngine
     created: int
 
-    def card(self) -> p.ModelCard:
+    def card(self, k: int | None = None) -> p.ModelCard:
+        """The model's card; with k, the card of its `name:k<k>` variant (that k fixed)."""
         config = self.artifact.config
         moe = config.moe
+        ks = {"default": k, "min": k, "max": k} if k else None
+        if moe and not k:
+            ks = {"default": moe.default_k, "min": moe.min_k, "max": moe.max_k}
         return p.ModelCard(
-            id=self.name,
+            id=f"{self.name}{K_SUFFIX}{k}" if k else self.name,
             created=self.created,
+            parent=self.name if k else None,
             task=config.task,
             num_experts=moe.num_experts if moe else None,
-            experts_per_token={"default": moe.default_k, "min": moe.min_k, "max": moe.max_k} if moe else None,
+            experts_per_token=ks,
             router=moe.router.kind if moe else None,
             max_model_len=self.engine.inputs.max_model_len,
         )
+
+    @property
+    def tokenizer_key(self) -> tuple[str, bool, int | None]:
+        """Equal for models that tokenize every text alike."""
+        config = self.artifact.config
+        return self.artifact.tokenizer.hf.to_str(), config.add_bos_token, config.bos_token_id
+
+    def cards(self) -> list[p.ModelCard]:
+        """The model, then a variant per k it allows: `name:k1` ... for clients that cannot send extra fields."""
+        moe = self.artifact.config.moe
+        return [self.card()] + ([self.card(k) for k in range(moe.min_k, moe.max_k + 1)] if moe else [])
 
 
 @dataclass(slots=True)
@@ -61,6 +81,8 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def model(self, name: str | None) -> ServedModel:
+        """The served model a request names (a `:k<k>` suffix allowed; `resolve` applies it)."""
+        name = split_k_suffix(name, self.models)[0]
         if name is None:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
@@ -70,6 +92,42 @@ class ServingContext:
         if name not in self.models:
             raise ModelNotFoundError(name, list(self.models))
         return self.models[name]
+
+    def tokenizer_model(self, name: str | None) -> ServedModel:
+        """The model whose tokenizer /tokenize, /detokenize and /tokenizer_info use: the named one, or any
+        when all served models tokenize alike (vLLM's endpoints take no model; lm-evaluation-harness sends
+        none)."""
+        if name is not None or len(self.models) == 1:
+            return self.model(name)
+        first, *others = self.models.values()
+        if all(m.tokenizer_key == first.tokenizer_key for m in others):
+            return first
+        raise ValidationError("model is required: the served models do not share one tokenizer", parameter="model")
+
+    def resolve(self, request: Any) -> ServedModel:
+        """The model of an API request; a `name:k<k>` name sets the request's experts_per_token (a different
+        experts_per_token in the same request is a 400)."""
+        name, k = split_k_suffix(request.model, self.models)
+        served = self.model(name)
+        if k is not None:
+            if request.experts_per_token not in (None, k):
+                raise ValidationError(
+                    f"model '{request.model}' fixes experts_per_token to {k}, but the request asks for "
+                    f"{request.experts_per_token}",
+                    parameter="experts_per_token",
+                )
+            request.experts_per_token = k
+        return served
+
+
+def split_k_suffix(name: str | None, served: dict[str, ServedModel]) -> tuple[str | None, int | None]:
+    """ "smoe:k2" -> ("smoe", 2) when "smoe" is served (a served name that itself ends so wins)."""
+    if name is None or name in served or K_SUFFIX not in name:
+        return name, None
+    base, _, k = name.rpartition(K_SUFFIX)
+    if base in served and k.isascii() and k.isdigit() and len(k) <= 6:
+        return base, int(k)
+    return name, None
 
 
 def _sse(data: Any) -> str:
@@ -111,35 +169,44 @@ async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[
 
 
 async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
-    served = ctx.model(request.model)
+    served = ctx.resolve(request)
     job = await ctx.prepare(prepare_completion, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
-    streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
+    # Admitted (or refused: 429, 503) before a response starts.
+    streams = served.engine.submit(job.requests) if job.generate else []
     if request.stream:
-        tokenizer = served.artifact.tokenizer
-        choice = lambda i, u: responses.completion_chunk_choice(tokenizer, job, i, u)  # noqa: E731
+        tokenizer, sent = served.artifact.tokenizer, collections.Counter()
+
+        def choice(prompt_index: int, update: SequenceUpdate) -> dict:
+            key = (prompt_index, update.index)
+            chunk = responses.completion_chunk_choice(tokenizer, job, prompt_index, update, sent[key])
+            sent[key] += len(update.text_delta)
+            return chunk
+
         return _event_stream(ctx, served, job, streams, "completions", request.stream_options, http.state, choice)
-    results = await _unless_disconnected(http, asyncio.gather(*(s.final() for s in streams)))
-    for result in results:
+    results, prompt_scores = await _unless_disconnected(http, job.gather(served.engine, streams))
+    for result in results or []:
         prompt_tokens = len(result.prompt_token_ids)
         ctx.metrics.record_generation(served.name, "completions", job.reported_k, prompt_tokens, result.metrics)
-    http.state.completion_tokens = sum(r.num_generated_tokens for r in results)
-    return responses.completion_response(served.name, job, results, served.artifact.tokenizer)
+    http.state.completion_tokens = sum(r.num_generated_tokens for r in results or [])
+    tokenizer = served.artifact.tokenizer
+    return responses.completion_response(served.name, job, results, tokenizer, prompt_scores=prompt_scores)
 
 
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
-    served = ctx.model(request.model)
+    served = ctx.resolve(request)
     job = await ctx.prepare(prepare_chat, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
     if request.stream:
-        choice = lambda _, u: responses.chat_chunk_choice(u)  # noqa: E731
+        tokenizer = served.artifact.tokenizer
+        choice = lambda _, u: responses.chat_chunk_choice(tokenizer, job, u)  # noqa: E731
         first = responses.chat_role_choices(job.params.n)
         return _event_stream(ctx, served, job, streams, "chat", request.stream_options, http.state, choice, first)
     result = await _unless_disconnected(http, streams[0].final())
     ctx.metrics.record_generation(served.name, "chat", job.reported_k, job.prompt_tokens, result.metrics)
     http.state.completion_tokens = result.num_generated_tokens
-    return responses.chat_response(served.name, job, result)
+    return responses.chat_response(served.name, job, result, served.artifact.tokenizer)
 
 
 def _event_stream(
@@ -188,7 +255,7 @@ def _event_stream(
 
 
 async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> p.ClassifyResponse:
-    served = ctx.model(request.model)
+    served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
@@ -198,13 +265,42 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
-    served = ctx.model(request.model)
+    served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
     start = time.monotonic()
     results = await _unless_disconnected(http, served.engine.score(job.token_ids, job.k, job.return_token_logprobs))
     ctx.metrics.record_pooling(served.name, "score", job.reported_k, time.monotonic() - start, job.prompt_tokens)
     return responses.score_response(served.name, job, results)
+
+
+# ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------
+
+
+async def tokenize(ctx: ServingContext, request: p.TokenizeRequest) -> p.TokenizeResponse:
+    return await ctx.prepare(prepare_tokenize, ctx.tokenizer_model(request.model).engine.inputs, request)
+
+
+async def detokenize(ctx: ServingContext, request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+    return await ctx.prepare(prepare_detokenize, ctx.tokenizer_model(request.model).engine.inputs, request)
+
+
+def tokenizer_info(ctx: ServingContext, model: str | None) -> p.TokenizerInfo:
+    served = ctx.tokenizer_model(model)
+    inputs, config = served.engine.inputs, served.artifact.config
+    token = lambda i: inputs.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
+    return p.TokenizerInfo(
+        model=served.name,
+        tokenizer_class="PreTrainedTokenizerFast",  # tokenizer.json, what `tokenizers` and transformers load
+        vocab_size=inputs.tokenizer.vocab_size,
+        bos_token=token(config.bos_token_id),
+        eos_token=token(config.eos_token_ids[0] if config.eos_token_ids else None),
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+        add_bos_token=config.add_bos_token,
+        model_max_length=inputs.max_model_len,
+        chat_template=config.chat_template,
+    )
 
 
 async def _unless_disconnected(http: Request, work: Any) -> Any:

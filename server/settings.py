@@ -18,6 +18,12 @@ ExpertMetrics = Literal["full", "summary", "off"]
 EXPERT_METRICS = ("full", "summary", "off")
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key (load balancers, orchestrators)
 MONITORING_PATHS = ("/metrics", "/dashboard", "/dashboard/data", "/docs", "/openapi.json")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's names, outside /v1
+
+
+def is_api_path(path: str) -> bool:
+    """The paths that do model work: admitted, counted in metrics by route, documented with error statuses."""
+    return path.startswith("/v1/") or path in TOKENIZER_PATHS
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,16 +3,20 @@ for is checked here, once, before anything runs; the engine trusts what this ret
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moe_serve.api import protocol as p
+from moe_serve.chat_template import TemplateEnvironment
 from moe_serve.config import RequestLimits
+from moe_serve.engine.async_engine import AsyncEngine, GenerationStream
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.errors import ValidationError
+from moe_serve.outputs import RequestOutput, ScoreOutput
 from moe_serve.sampling_params import SamplingParams
 
 
@@ -23,11 +27,25 @@ class GenerationJob:
     requests: list[GenerationRequest]
     params: SamplingParams
     reported_k: int | None  # what responses report (None for a dense model)
-    logprobs: int | None  # completions: alternatives per token to return (None: no logprobs)
+    logprobs: int | None  # alternatives per token to return (None: no logprobs)
+    echo: bool = False  # completions: the prompt precedes each choice's text (and its logprobs, scored)
+    generate: bool = True  # False for echo with max_tokens 0: the prompt is only scored
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    async def gather(
+        self, engine: AsyncEngine, streams: list[GenerationStream]
+    ) -> tuple[list[RequestOutput] | None, list[ScoreOutput] | None]:
+        """The job's results once complete: each admitted stream's final output (None when nothing was to
+        be generated), and with echo and logprobs, the prompts' scores, computed alongside."""
+        work: list[Awaitable[Any]] = [s.final() for s in streams]
+        if self.echo and self.logprobs is not None:
+            prompts = [r.prompt_token_ids for r in self.requests]
+            work.append(engine.score(prompts, self.requests[0].k, True, self.logprobs))
+        done = await asyncio.gather(*work)
+        return (list(done[: len(streams)]) or None), (done[-1] if len(done) > len(streams) else None)
 
 
 @dataclass(slots=True)
@@ -56,7 +74,8 @@ def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, lim
         )
     prompts = [inputs.encode_text(x, "prompt") if isinstance(x, str) else x for x in texts]
     requests = [inputs.generation_request(ids, params) for ids in prompts]
-    return GenerationJob(requests, params, inputs.config.reported_k(requests[0].k), request.logprobs)
+    k = inputs.config.reported_k(requests[0].k)
+    return GenerationJob(requests, params, k, request.logprobs, request.echo, request.max_tokens != 0)
 
 
 def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limits: RequestLimits) -> GenerationJob:
@@ -64,7 +83,7 @@ def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limit
     prompt = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
     params = request.to_sampling_params(limits.max_tokens_cap)
     generation = inputs.generation_request(prompt, params)
-    return GenerationJob([generation], params, inputs.config.reported_k(generation.k), None)
+    return GenerationJob([generation], params, inputs.config.reported_k(generation.k), params.logprobs)
 
 
 def prepare_pooling(
@@ -95,6 +114,23 @@ def prepare_pooling(
     )
 
 
+def tokenize(inputs: InputProcessor, request: p.TokenizeRequest) -> p.TokenizeResponse:
+    """vLLM's /tokenize: exactly the ids a completion (prompt) or a chat request (messages) would run on."""
+    if request.messages is not None:
+        ids = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
+    else:
+        ids = inputs.encode_text(request.prompt, "prompt")  # type: ignore[arg-type]  # one of the two is set
+        if not request.add_special_tokens and inputs.config.add_bos_token:
+            ids = ids[1:]
+    strs = [inputs.tokenizer.id_to_token(t) for t in ids] if request.return_token_strs else None
+    return p.TokenizeResponse(count=len(ids), max_model_len=inputs.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(inputs: InputProcessor, request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+    ids = inputs.check_token_ids(request.tokens, "tokens") if request.tokens else []
+    return p.DetokenizeResponse(prompt=inputs.tokenizer.decode(ids))
+
+
 def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
     """The model's chat template (Jinja, sandboxed) applied to the messages, with a generation prompt. The
     output is capped at what the model's context could ever hold: a template that multiplies its input is
@@ -107,12 +143,12 @@ def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
         return tokenizer.id_to_token(token_id) if token_id is not None else ""
 
     cap = inputs.max_text_chars
-    environment = _TemplateEnvironment(cap)
+    environment = TemplateEnvironment(cap)
     try:
         template = environment.from_string(config.chat_template)
         parts, size = [], 0
         for part in template.generate(
-            messages=[m.model_dump() for m in messages],
+            messages=[m.for_template() for m in messages],
             add_generation_prompt=True,
             bos_token=special(config.bos_token_id),
             eos_token=special(config.eos_token_ids[0] if config.eos_token_ids else None),
@@ -128,23 +164,3 @@ def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
     except TemplateError as exc:
         raise ValidationError(f"the chat template cannot render these messages: {exc}", parameter="messages") from None
     return "".join(parts)
-
-
-class _TemplateEnvironment(ImmutableSandboxedEnvironment):
-    """A sandbox in which `*` and `**` cannot build a string or list longer than the render cap at once."""
-
-    intercepted_binops = frozenset(["*", "**"])
-
-    def __init__(self, cap: int) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True)
-        self.cap = cap
-
-    def call_binop(self, context, operator: str, left, right):  # noqa: ANN001  # jinja's signature
-        if operator == "*" and isinstance(left, str | list | tuple) and isinstance(right, int):
-            if len(left) * right > self.cap:
-                raise TemplateError(f"the template repeats a value {right} times, past the render cap")
-        if operator == "*" and isinstance(right, str | list | tuple) and isinstance(left, int):
-            return self.call_binop(context, operator, right, left)
-        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
-            raise TemplateError("the template raises a number to a power above 1024")
-        return super().call_binop(context, operator, left, right)

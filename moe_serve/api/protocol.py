@@ -1,7 +1,8 @@
 """Request and response models, in the OpenAI documentation's field order; moe-serve extensions fenced.
 
-Unknown fields are accepted and logged (clients send many optional OpenAI fields); fields whose
-behaviour is not implemented are refused with a 400 that names them rather than silently ignored.
+OpenAI and vLLM fields whose behaviour is not implemented (NOT_IMPLEMENTED) are refused with a 400 that
+names them, unless they carry the value that means "off"; never accepted and ignored. Names that neither
+API defines are logged and ignored, as vLLM does (clients add their own bookkeeping fields).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 
 from moe_serve.errors import ValidationError
 from moe_serve.sampling_params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
+    MAX_TOKEN_LIST,
     MAX_TOP_K,
     SamplingParams,
 )
@@ -43,13 +48,56 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Fiel
 logger = logging.getLogger(__name__)
 
 
+# Field -> the values that mean "not used" (what this server does anyway). The README's field table
+# mirrors this one.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "moe": (None,),  # adaptive policies: not yet
+    # Fields of the completions request that chat requests do not implement.
+    "best_of": (None, 1),
+    "echo": (None, False),
+}
+
+
+def _refuse_not_implemented(fields: dict[str, Any]) -> None:
+    for name, value in fields.items():
+        # Equal and of the same type: `true` is not 1, `0` is not `false`.
+        if name in NOT_IMPLEMENTED and not any(
+            type(value) is type(off) and value == off for off in NOT_IMPLEMENTED[name]
+        ):
+            raise ValidationError(
+                f"{name} is not implemented by this server; leave it out (see the README's field table)", parameter=name
+            )
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
     def _log_unknown(self) -> _Request:
-        if self.model_extra:
-            logger.info("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+        unknown = sorted(set(self.model_extra or ()) - set(NOT_IMPLEMENTED))
+        if unknown:
+            logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
         return self
 
 
@@ -75,51 +123,76 @@ class _SamplingFields(_Request):
         | None
     ) = None
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
     user: Text | None = None
-    # --- moe-serve extensions (OpenAI clients send them through extra_body) ---
+    presence_penalty: Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                Annotated[Finite, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+            ],
+            Field(max_length=MAX_TOKEN_LIST),
+        ]
+        | None
+    ) = None
+    # --- vLLM's extensions, and moe-serve's (OpenAI clients send them through extra_body) ---
     experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_TOKEN_LIST)] | None
+    ) = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     ignore_eos: StrictBool | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValidationError(f"{name} is not supported by this server; send 0 or leave it out", parameter=name)
-        if self.model_extra and "moe" in self.model_extra:
-            raise ValidationError(
-                "adaptive 'moe' policies are not supported yet; use experts_per_token", parameter="moe"
-            )
+        _refuse_not_implemented(self.model_extra or {})
 
     def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters. `max_tokens: 0` (completions with echo: the prompt is only scored) is
+        validated as 1; prepare_completion then generates nothing."""
         self.refuse_unsupported()
         if self.max_tokens is not None and self.max_tokens > max_tokens_cap:
             raise ValidationError(
                 f"max_tokens must be at most {max_tokens_cap}, got {self.max_tokens}", parameter="max_tokens"
             )
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if given.get("max_tokens") == 0:
+            given["max_tokens"] = 1
         if self.stop is not None:
             given["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return SamplingParams(**given, logprobs=logprobs, experts_per_token=self.experts_per_token)
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos")
+_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "logit_bias", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens",
+)  # fmt: skip
 
 
 class CompletionRequest(_SamplingFields):
     model: Text | None = None
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
-    echo: StrictBool = False
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0 only with echo: score the prompt
+    echo: StrictBool = False  # the prompt precedes the completion (with its logprobs: None for the first token)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: StrictInt | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise ValidationError("echo is not supported by this server", parameter="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValidationError(
+                "max_tokens 0 needs echo: true (the prompt scored, nothing generated)", parameter="max_tokens"
+            )
+        if self.echo and self.stream:
+            raise ValidationError("echo is not supported with stream: true", parameter="echo")
         if self.best_of not in (None, 1):
-            raise ValidationError("best_of is not supported by this server (use n)", parameter="best_of")
+            raise ValidationError("best_of > 1 is not implemented by this server (use n)", parameter="best_of")
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -132,9 +205,21 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
+class TextPart(BaseModel):
+    """OpenAI's content part; only text (an image or audio part is refused by its type)."""
+
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text
+    content: Text | list[TextPart]
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates expect it: text parts joined by newlines, as vLLM does."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -163,6 +248,28 @@ class ScoreRequest(_Request):
     return_token_logprobs: StrictBool = False
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt as the completions endpoint reads it (BOS added where the model wants it,
+    `add_special_tokens: false` leaves it out), or messages rendered by the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]]
+
+
 # ---- responses ----------------------------------------------------------------------------------
 
 
@@ -176,8 +283,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int]  # where each token starts in the choice's text
 
 
 class CompletionChoice(BaseModel):
@@ -201,11 +309,25 @@ class ChatMessageOut(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -251,6 +373,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "moe-serve"
+    parent: str | None = None  # for a `name:k<k>` variant: the model it fixes k of
     task: str
     num_experts: int | None
     experts_per_token: dict[str, int] | None  # {"default", "min", "max"}
@@ -261,6 +384,32 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """What lm-evaluation-harness and vLLM's clients read instead of loading the tokenizer locally."""
+
+    model: str
+    tokenizer_class: str
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    model_max_length: int
+    chat_template: str | None
 
 
 class ErrorInfo(BaseModel):

@@ -3,6 +3,7 @@ batch files. Every response reports the k it used in `usage`, and `approximate` 
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from moe_serve.api import protocol as p
 from moe_serve.api.prepare import GenerationJob, PoolingJob
 from moe_serve.engine.async_engine import SequenceUpdate
-from moe_serve.outputs import ClassificationOutput, RequestOutput, ScoreOutput
+from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
 from moe_serve.tokenizer import Tokenizer
 
 
@@ -25,13 +26,21 @@ def usage(prompt_tokens: int, completion_tokens: int, k: int | None, approximate
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], wanted: int | None
+    tokenizer: Tokenizer,
+    token_ids: list[int],
+    logprobs: list[float | None],
+    tops: list[dict[int, float] | None],
+    wanted: int | None,
+    offset: int = 0,
 ) -> p.CompletionLogprobs | None:
-    """OpenAI completions `logprobs` (None unless the request asked for them)."""
+    """OpenAI completions `logprobs` (None unless the request asked for them); `offset` is where the first
+    token starts in the choice's text (a stream's earlier chunks)."""
     if wanted is None:
         return None
 
-    def alternatives(top: dict[int, float]) -> dict[str, float]:
+    def alternatives(top: dict[int, float] | None) -> dict[str, float] | None:
+        if top is None:
+            return None
         out: dict[str, float] = {}
         for token_id, value in top.items():
             text = tokenizer.decode([token_id])
@@ -39,30 +48,83 @@ def completion_logprobs(
             out[tokenizer.id_to_token(token_id) if text in out or "\ufffd" in text else text] = value
         return out
 
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
     return p.CompletionLogprobs(
-        tokens=[tokenizer.decode([t]) for t in token_ids],
+        tokens=tokens,
         token_logprobs=logprobs,
         top_logprobs=[alternatives(top) for top in tops] if wanted else None,
+        text_offset=offsets,
+    )
+
+
+def completion_choice(
+    tokenizer: Tokenizer,
+    job: GenerationJob,
+    prompt_token_ids: list[int],
+    index: int,
+    out: CompletionOutput | None,
+    prompt_score: ScoreOutput | None,
+) -> p.CompletionChoice:
+    """One choice; with echo, the prompt's text and (scored) logprobs come first. `out` is None when
+    nothing was generated (echo with max_tokens 0)."""
+    text = out.text if out else ""
+    ids, values, tops = (out.token_ids, out.logprobs or [], out.top_logprobs or []) if out else ([], [], [])
+    if job.echo:
+        text = tokenizer.decode(prompt_token_ids) + text
+        if prompt_score is not None:
+            ids = prompt_token_ids + ids
+            values = [None, *(prompt_score.token_logprobs or []), *values]
+            tops = [None, *(prompt_score.top_logprobs or [{}] * (len(prompt_token_ids) - 1)), *tops]
+    return p.CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=completion_logprobs(tokenizer, ids, values, tops, job.logprobs),
+        finish_reason=out.finish_reason if out else "length",
+    )
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], wanted: int | None
+) -> p.ChatLogprobs | None:
+    """OpenAI chat `logprobs.content` (None unless the request asked with `logprobs: true`)."""
+    if wanted is None:
+        return None
+
+    def entry(token_id: int, value: float) -> p.TopLogprob:
+        text = tokenizer.decode([token_id])
+        return p.TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
+
+    return p.ChatLogprobs(
+        content=[
+            p.ChatTokenLogprob(
+                **entry(token_id, value).model_dump(),
+                top_logprobs=[entry(t, v) for t, v in top.items()] if wanted else [],
+            )
+            for token_id, value, top in zip(token_ids, logprobs, tops or [{}] * len(token_ids), strict=True)
+        ]
     )
 
 
 def completion_response(
-    model: str, job: GenerationJob, results: list[RequestOutput], tokenizer: Tokenizer, response_id: str | None = None
+    model: str,
+    job: GenerationJob,
+    results: list[RequestOutput] | None,
+    tokenizer: Tokenizer,
+    response_id: str | None = None,
+    prompt_scores: list[ScoreOutput] | None = None,
 ) -> p.CompletionResponse:
+    """`results` is None when nothing was generated (echo, max_tokens 0); `prompt_scores` are the echoed
+    prompts' logprobs (echo with logprobs)."""
     n = job.params.n
-    choices = [
-        p.CompletionChoice(
-            index=prompt_index * n + out.index,
-            text=out.text,
-            logprobs=completion_logprobs(
-                tokenizer, out.token_ids, out.logprobs or [], out.top_logprobs or [], job.logprobs
-            ),
-            finish_reason=out.finish_reason,
-        )
-        for prompt_index, result in enumerate(results)
-        for out in result.outputs
-    ]
-    completion_tokens = sum(r.num_generated_tokens for r in results)
+    choices = []
+    for prompt_index, request in enumerate(job.requests):
+        outputs: list[CompletionOutput | None] = list(results[prompt_index].outputs) if results else [None] * n
+        score = prompt_scores[prompt_index] if prompt_scores else None
+        for i, out in enumerate(outputs):
+            choice = completion_choice(tokenizer, job, request.prompt_token_ids, prompt_index * n + i, out, score)
+            choices.append(choice)
+    completion_tokens = sum(r.num_generated_tokens for r in results or [])
     body = p.CompletionResponse(
         model=model, choices=choices, usage=usage(job.prompt_tokens, completion_tokens, job.reported_k)
     )
@@ -72,10 +134,15 @@ def completion_response(
 
 
 def chat_response(
-    model: str, job: GenerationJob, result: RequestOutput, response_id: str | None = None
+    model: str, job: GenerationJob, result: RequestOutput, tokenizer: Tokenizer, response_id: str | None = None
 ) -> p.ChatCompletionResponse:
     choices = [
-        p.ChatChoice(index=out.index, message=p.ChatMessageOut(content=out.text), finish_reason=out.finish_reason)
+        p.ChatChoice(
+            index=out.index,
+            message=p.ChatMessageOut(content=out.text),
+            finish_reason=out.finish_reason,
+            logprobs=chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], out.top_logprobs or [], job.logprobs),
+        )
         for out in result.outputs
     ]
     totals = usage(job.prompt_tokens, result.num_generated_tokens, job.reported_k)
@@ -111,9 +178,12 @@ def score_response(model: str, job: PoolingJob, results: list[ScoreOutput]) -> p
 
 
 def completion_chunk_choice(
-    tokenizer: Tokenizer, job: GenerationJob, prompt_index: int, update: SequenceUpdate
+    tokenizer: Tokenizer, job: GenerationJob, prompt_index: int, update: SequenceUpdate, offset: int
 ) -> dict:
-    logprobs = completion_logprobs(tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
+    """`offset`: the length of the text this choice's earlier chunks carried."""
+    logprobs = completion_logprobs(
+        tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs, offset
+    )
     return {
         "index": prompt_index * job.params.n + update.index,
         "text": update.text_delta,
@@ -122,8 +192,14 @@ def completion_chunk_choice(
     }
 
 
-def chat_chunk_choice(update: SequenceUpdate) -> dict:
-    return {"index": update.index, "delta": {"content": update.text_delta}, "finish_reason": update.finish_reason}
+def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> dict:
+    logprobs = chat_logprobs(tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
+    return {
+        "index": update.index,
+        "delta": {"content": update.text_delta},
+        "logprobs": logprobs.model_dump() if logprobs else None,
+        "finish_reason": update.finish_reason,
+    }
 
 
 def chat_role_choices(n: int) -> list[dict]:

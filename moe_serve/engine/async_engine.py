@@ -77,6 +77,7 @@ class _Submission:
     token_ids: list[list[int]] | None = None  # scoring or classification
     k: int = 0
     kind: SequenceKind = SequenceKind.GENERATE
+    top_logprobs: int = 0  # scoring: alternatives per position
 
     @property
     def num_sequences(self) -> int:
@@ -242,14 +243,19 @@ class AsyncEngine:
         seqs = await self._pool(token_ids, k, SequenceKind.CLASSIFY)
         return [pooling.classification_output(self.engine.model_config, seq) for seq in seqs]
 
-    async def score(self, token_ids: list[list[int]], k: int, keep_token_logprobs: bool = False) -> list[ScoreOutput]:
-        seqs = await self._pool(token_ids, k, SequenceKind.SCORE)
+    async def score(
+        self, token_ids: list[list[int]], k: int, keep_token_logprobs: bool = False, top_logprobs: int = 0
+    ) -> list[ScoreOutput]:
+        seqs = await self._pool(token_ids, k, SequenceKind.SCORE, top_logprobs)
         config, tokenizer = self.engine.model_config, self.engine.tokenizer
         return [pooling.score_output(config, tokenizer, seq, keep_token_logprobs) for seq in seqs]
 
-    async def _pool(self, token_ids: list[list[int]], k: int, kind: SequenceKind) -> list[Sequence]:
+    async def _pool(
+        self, token_ids: list[list[int]], k: int, kind: SequenceKind, top_logprobs: int = 0
+    ) -> list[Sequence]:
         """Inputs run through the engine's steps like prompts; their sequences once all are finished."""
-        (submission,) = self._submit([{"token_ids": token_ids, "k": k, "kind": kind}])
+        work = {"token_ids": token_ids, "k": k, "kind": kind, "top_logprobs": top_logprobs}
+        (submission,) = self._submit([work])
         try:
             update = await submission.stream.queue.get()
         except BaseException:
@@ -336,7 +342,7 @@ class AsyncEngine:
             else:
                 assert submission.token_ids is not None
                 stream.seqs = self.engine.add_inputs(
-                    submission.request_id, submission.token_ids, submission.k, submission.kind
+                    submission.request_id, submission.token_ids, submission.k, submission.kind, submission.top_logprobs
                 )
         except Exception as exc:  # validated already; anything else still reaches the caller
             self._streams.pop(submission.request_id, None)

@@ -16,19 +16,29 @@ PRIME_TOKENS = 8  # prompt tokens that give the decoder its context (leading spa
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(ids=prompt_token_ids[-PRIME_TOKENS:], skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=prompt_token_ids[-PRIME_TOKENS:], skip_special_tokens=skip_special_tokens)
         self.stop = stop
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
 
     def add(self, token_id: int) -> str | None:
-        """Append a token's text; returns the stop string it completed (the text is then cut before it)."""
+        """Append a token's text; returns the stop string it completed (the text is then cut before it, or
+        after it with include_stop)."""
         try:
             piece = self._stream.step(self._tokenizer.hf, token_id)
         except Exception:  # the decoder lost its place (an unusual token sequence): restart it unprimed
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
             piece = self._stream.step(self._tokenizer.hf, token_id)
         if not piece:
             return None
@@ -38,7 +48,7 @@ class IncrementalDetokenizer:
         if not found:
             return None
         at, stop = min(found)  # the earliest match wins
-        self.text = self.text[:at]
+        self.text = self.text[: at + len(stop) if self._include_stop else at]
         return stop
 
     def stable_text_length(self) -> int:

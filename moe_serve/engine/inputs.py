@@ -85,6 +85,12 @@ class InputProcessor:
     def check_generation(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate a generation request; returns its k. Pure: safe from any thread."""
         self.check_token_ids(prompt_token_ids, "prompt")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(token_id >= self.config.vocab_size for token_id in ids):
+                raise ValidationError(
+                    f"{name} names a token id outside this model's vocabulary (0..{self.config.vocab_size - 1})",
+                    parameter=name,
+                )
         k = self.resolve_k(params.experts_per_token)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValidationError(

@@ -84,13 +84,23 @@ class LLMEngine:
                     generator.manual_seed(params.seed + index)
             seq = self._new(request_id, index, request.prompt_token_ids, request.k, SequenceKind.GENERATE, params)
             seq.generator = generator
-            self._detokenizers[id(seq)] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+            self._detokenizers[id(seq)] = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
             seqs.append(seq)
         return self._queue(request_id, seqs)
 
-    def add_inputs(self, request_id: str, token_ids: list[list[int]], k: int, kind: SequenceKind) -> list[Sequence]:
-        """Queue inputs to score (log-likelihood of each token) or classify, all at one k."""
-        seqs = [self._new(request_id, i, ids, k, kind, SamplingParams(max_tokens=1)) for i, ids in enumerate(token_ids)]
+    def add_inputs(
+        self, request_id: str, token_ids: list[list[int]], k: int, kind: SequenceKind, top_logprobs: int = 0
+    ) -> list[Sequence]:
+        """Queue inputs to score (log-likelihood of each token, and the `top_logprobs` most likely tokens at
+        each position when asked) or classify, all at one k."""
+        params = SamplingParams(max_tokens=1, logprobs=top_logprobs or None)
+        seqs = [self._new(request_id, i, ids, k, kind, params) for i, ids in enumerate(token_ids)]
         return self._queue(request_id, seqs)
 
     def _new(
@@ -148,7 +158,7 @@ class LLMEngine:
         self.scheduler.update(output)
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
-        sampled = sample(result.logits, samples) if samples else None  # type: ignore[arg-type]
+        sampled = sample(result.logits, samples, self.eos_token_ids) if samples else None  # type: ignore[arg-type]
         now = time.monotonic()
         for position, i in enumerate(result.sample_items):
             seq = output.scheduled[i].seq
@@ -160,6 +170,7 @@ class LLMEngine:
         for i, values in result.prompt_logprobs.items():
             seq = output.scheduled[i].seq
             seq.prompt_logprobs += values
+            seq.prompt_top_logprobs += result.prompt_top_logprobs.get(i, [])
             if seq.num_computed_tokens == seq.num_tokens:
                 self._finish(seq, "stop")
                 changed.append(seq)
@@ -190,6 +201,7 @@ class LLMEngine:
                 logits.append(alone.logits)
             if alone.prompt_logprobs:
                 merged.prompt_logprobs[i] = alone.prompt_logprobs[0]
+                merged.prompt_top_logprobs[i] = alone.prompt_top_logprobs.get(0, [])
             if alone.class_probs:
                 merged.class_probs[i] = alone.class_probs[0]
         merged.logits = torch.cat(logits) if logits else None
@@ -198,7 +210,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
         seq.token_times.append(now)
         params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop")
             return
         seq.token_ids.append(token)

@@ -27,6 +27,7 @@ class StepResult:
     sample_items: list[int] = field(default_factory=list)  # items whose sequence needs a next token
     logits: torch.Tensor | None = None  # [len(sample_items), V] fp32, in that order
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)  # SCORE: log p of the chunk's next tokens
+    prompt_top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # SCORE: alternatives
     class_probs: dict[int, list[float]] = field(default_factory=dict)  # CLASSIFY
 
 
@@ -128,7 +129,8 @@ class TorchRunner:
         for i, item in enumerate(output.scheduled):
             seq = item.seq
             if seq.kind is SequenceKind.SCORE:
-                result.prompt_logprobs[i] = self._chunk_logprobs(hidden[start : start + item.num_tokens], item)
+                values, tops = self._chunk_logprobs(hidden[start : start + item.num_tokens], item)
+                result.prompt_logprobs[i], result.prompt_top_logprobs[i] = values, tops
             elif item.completes_prompt:
                 result.sample_items.append(i)
                 rows.append(start + item.num_tokens - 1)
@@ -138,15 +140,21 @@ class TorchRunner:
             result.logits = self.model.lm_logits(last)  # [R, V] fp32
         return result
 
-    def _chunk_logprobs(self, hidden: torch.Tensor, item) -> list[float]:
-        """log p(token_{i+1} | tokens_<=i) for the chunk's positions i that have a next prompt token."""
+    def _chunk_logprobs(self, hidden: torch.Tensor, item) -> tuple[list[float], list[dict[int, float]]]:
+        """log p(token_{i+1} | tokens_<=i) for the chunk's positions i that have a next prompt token, and
+        the `params.logprobs` most likely tokens at each when asked for."""
         seq = item.seq
         targets = seq.token_ids[item.start + 1 : item.end + 1]  # the last chunk's last position predicts nothing
         if not targets:
-            return []
+            return [], []
         logprobs = torch.log_softmax(self.model.lm_logits(hidden[: len(targets)]), dim=-1)  # [n, V]
         index = torch.tensor(targets, device=hidden.device)[:, None]
-        return logprobs.gather(1, index)[:, 0].tolist()
+        values = logprobs.gather(1, index)[:, 0].tolist()
+        if not seq.params.logprobs:
+            return values, []
+        top_values, top_ids = logprobs.topk(seq.params.logprobs, dim=-1)
+        tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+        return values, tops
 
     # ---- whole sequences without a cache (tests, fold proofs, classify outside the engine) ---------
 

@@ -32,4 +32,5 @@ def score_output(config: ModelConfig, tokenizer: Tokenizer, seq: Sequence, keep_
         bits_per_byte=-total / math.log(2) / max(num_bytes, 1),
         experts_per_token=config.reported_k(seq.k),
         token_logprobs=list(per_token) if keep_tokens else None,
+        top_logprobs=list(seq.prompt_top_logprobs) if keep_tokens and seq.params.logprobs else None,
     )

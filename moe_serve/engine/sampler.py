@@ -2,12 +2,18 @@
 
 Legend: R rows, V vocabulary. A seeded row draws its noise from its own torch.Generator, so its text
 depends only on its seed, never on what it is batched with. Greedy rows are one argmax; log-probabilities
-are computed only for rows that asked for them. A row whose settings cannot be sampled fails alone: the
-others are sampled as if it were not there.
+are computed only for rows that asked for them, from the model's logits (before any penalty or bias, as
+vLLM reports them by default). A row whose settings cannot be sampled fails alone: the others are sampled
+as if it were not there.
+
+Order per row, as in vLLM: logit_bias, min_tokens (EOS and stop_token_ids masked), repetition penalty
+(prompt and output tokens), presence and frequency penalties (output tokens), then temperature, top-k,
+top-p and min-p for sampled rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -23,13 +29,13 @@ class Sampled:
     errors: dict[int, BaseException] = field(default_factory=dict)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> Sampled:
     """logits [R, V] fp32 -> one token per row (and its log-probability where asked for)."""
     try:
-        chosen = _choose(logits, seqs)
+        chosen = _choose(_adjusted(logits, seqs, eos_token_ids), seqs)
         errors: dict[int, BaseException] = {}
     except Exception:  # one row's settings (an absurd top_k, say): sample row by row to find it
-        chosen, errors = _choose_rows_apart(logits, seqs)
+        chosen, errors = _choose_rows_apart(logits, seqs, eos_token_ids)
     token_ids: list[int | None] = chosen.tolist()
     for row in errors:
         token_ids[row] = None
@@ -49,6 +55,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     return out
 
 
+def _adjusted(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits with each row's bias, min_tokens and penalties applied (a copy, only if a row has any)."""
+    rows = [r for r, s in enumerate(seqs) if s.params.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        _adjust_row(logits[row], seqs[row], eos_token_ids)
+    return logits
+
+
+def _adjust_row(logits: torch.Tensor, seq: Sequence, eos_token_ids: Collection[int]) -> None:
+    params, device = seq.params, logits.device
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), device=device))
+    output = seq.token_ids[seq.num_prompt_tokens :]
+    if len(output) < params.min_tokens:
+        banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+        if banned:
+            logits[torch.tensor(banned, device=device)] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.token_ids, device=device).unique()
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=device), minlength=logits.shape[-1])[: logits.shape[-1]]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
 def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     chosen = logits.argmax(dim=-1)  # [R] greedy rows keep this
     sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
@@ -60,6 +97,7 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temperature = torch.tensor([p.temperature for p in params], device=device)  # [S]
     top_k = torch.tensor([p.top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     scaled = logits[rows] / temperature.clamp(min=1e-5)[:, None]
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [S, V]
     rank = torch.arange(logits.shape[-1], device=device)[None, :]
@@ -67,6 +105,8 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     probs = torch.softmax(sorted_logits, dim=-1)
     # Nucleus: drop a token once the mass before it already exceeds top_p (the first always stays).
     drop = (torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]
+    # Min-p: drop a token less likely than min_p times the most likely one (sorted: the first).
+    drop |= probs < min_p[:, None] * probs[:, :1]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     noise = torch.stack([_exponential(logits.shape[-1], seqs[r].generator, device) for r in sampled])  # [S, V]
     # argmax(p / Exp(1)) draws from p (the exponential-race form of Gumbel-max), one noise vector per row.
@@ -75,12 +115,14 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return chosen
 
 
-def _choose_rows_apart(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, BaseException]]:
+def _choose_rows_apart(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]
+) -> tuple[torch.Tensor, dict[int, BaseException]]:
     chosen = logits.argmax(dim=-1)
     errors: dict[int, BaseException] = {}
     for row, seq in enumerate(seqs):
         try:
-            chosen[row] = _choose(logits[row : row + 1], [seq])[0]
+            chosen[row] = _choose(_adjusted(logits[row : row + 1], [seq], eos_token_ids), [seq])[0]
         except Exception as exc:
             errors[row] = exc
     return chosen, errors

@@ -46,6 +46,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # SCORE: log p(token_i | tokens_<i), i >= 1
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # SCORE with params.logprobs
     class_probs: list[float] | None = None  # CLASSIFY
     text: str = ""
     finish_reason: str | None = None  # stop, length, abort, error

@@ -1,4 +1,4 @@
-"""/v1/completions, /v1/chat/completions, /v1/models."""
+"""/v1/completions, /v1/chat/completions, /v1/models and /v1/models/{model}."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from moe_serve.api import protocol as p
 from moe_serve.server import serving
+from moe_serve.server.serving import split_k_suffix
 
 router = APIRouter(prefix="/v1")
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
@@ -23,4 +24,11 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
 
 @router.get("/models", response_model=p.ModelList, responses=ERRORS)
 async def models(request: Request) -> p.ModelList:
-    return p.ModelList(data=[m.card() for m in request.app.state.ctx.models.values()])
+    return p.ModelList(data=[card for m in request.app.state.ctx.models.values() for card in m.cards()])
+
+
+@router.get("/models/{model}", response_model=p.ModelCard, responses=ERRORS)
+async def model(model: str, request: Request) -> p.ModelCard:
+    ctx = request.app.state.ctx
+    name, k = split_k_suffix(model, ctx.models)
+    return ctx.model(name).card(k)

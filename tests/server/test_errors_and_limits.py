@@ -58,12 +58,7 @@ BAD = {
     ),
     "unknown model": ({"model": "gpt-5", "prompt": "x"}, 404, "model", "model 'gpt-5' does not exist"),
     "model required with two served": ({"prompt": "x"}, 400, "model", "model is required"),
-    "unsupported penalty": (
-        {"model": "tiny-lm", "prompt": "x", "presence_penalty": 0.5},
-        400,
-        "presence_penalty",
-        "not supported",
-    ),
+    "unimplemented field": ({"model": "tiny-lm", "prompt": "x", "suffix": "end"}, 400, "suffix", "not implemented"),
 }
 
 

@@ -156,7 +156,8 @@ def test_unknown_paths_and_401s_do_not_grow_metric_labels(artifacts) -> None:
         running.stop()
     assert "probe-" not in text and "/x1/" not in text
     endpoints = {line.split('endpoint="')[1].split('"')[0] for line in text.splitlines() if 'endpoint="' in line}
-    assert endpoints <= {"unmatched", "/v1/completions", "/v1/chat/completions", "/v1/classify", "/v1/score"}
+    routes = {"/v1/completions", "/v1/chat/completions", "/v1/classify", "/v1/score", "/v1/models/{model}"}
+    assert endpoints <= {"unmatched", *routes}
     assert len(text) - before < 2000
 
 
