@@ -18,13 +18,15 @@ from moe_serve.config import EngineConfig
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.detokenizer import IncrementalDetokenizer
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
-from moe_serve.engine.kv_cache import bytes_per_token, cache_shape
+from moe_serve.engine.kv_cache import bytes_per_token, cache_shape, router_state_sizes
 from moe_serve.engine.model_runner import Runner, StepResult, TorchRunner
 from moe_serve.engine.sampler import sample
 from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.errors import ValidationError
 from moe_serve.sampling_params import SamplingParams
+
+CALIBRATION_TOKENS = 512  # the longer of the two timed dummy prompts at start-up
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class LLMEngine:
         self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_join_stall)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
+        self._calibrate_costs(config)
         kv_budget = config.kv_cache_tokens or budget // bytes_per_token(self.model_config, dtype)
         self.inputs = InputProcessor(
             artifact.name,
@@ -62,6 +65,15 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+
+    def _calibrate_costs(self, config: EngineConfig) -> None:
+        """How a prompt's cost grows with its length (attention), from a short and a long dummy prompt, so
+        that the first long prompt joining running decodes is already chunked to bound their stall."""
+        if router_state_sizes(self.model_config):  # its routers read state from the cache: no cache-free pass
+            return
+        long = min(CALIBRATION_TOKENS, config.max_num_batched_tokens, self.max_model_len)
+        k = self.model_config.moe.default_k if self.model_config.moe else 1
+        self.scheduler.costs.calibrate(lambda n: self.runner.prompt_seconds(n, k), long // 8, long)
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +34,10 @@ class StepResult:
 
 class Runner(Protocol):
     def execute(self, output: SchedulerOutput) -> StepResult: ...
+
+    def prompt_seconds(self, num_tokens: int, k: int) -> float:
+        """The time one prompt of num_tokens takes through the model (the scheduler's cost calibration)."""
+        ...
 
 
 class TorchRunner:
@@ -155,6 +160,13 @@ class TorchRunner:
         top_values, top_ids = logprobs.topk(seq.params.logprobs, dim=-1)
         tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
         return values, tops
+
+    def prompt_seconds(self, num_tokens: int, k: int) -> float:
+        tokens = [[i % self.config.vocab_size for i in range(num_tokens)]]
+        self.forward_sequences(tokens, [k])  # warm: first calls pay one-time costs
+        start = time.perf_counter()
+        self.forward_sequences(tokens, [k])
+        return time.perf_counter() - start
 
     # ---- whole sequences without a cache (tests, fold proofs, classify outside the engine) ---------
 

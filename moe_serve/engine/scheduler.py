@@ -6,8 +6,9 @@ Policy (vLLM's, with one addition):
 - When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and
   it is recomputed later (its full blocks usually come back from the prefix cache).
 - While decodes run, a prompt's chunk is sized so that the step costs at most `max_join_stall` decode steps
-  (measured online: seconds per decode step and per prefilled token), so a long prompt joining never
-  stalls the decodes; with nothing decoding, chunks take the whole budget.
+  (StepCosts: seconds per decode step, measured online; a chunk's seconds from its tokens and their
+  attention context, the shape calibrated at start-up and the level measured online), so a long prompt
+  joining never stalls the decodes; with nothing decoding, chunks take the whole budget.
 - Classification inputs need their whole input in one step (bidirectional attention): they run when they
   fit the budget and take no KV blocks.
 Nothing here touches tensors: the scheduler unit-tests without a model.
@@ -15,11 +16,17 @@ Nothing here touches tensors: the scheduler unit-tests without a model.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
+
+# Chunks aim this far under the stall bound: a chunk's cost is an estimate (a small chunk's tokens cost
+# more each than the large batches the estimate may come from), and the bound is a promise.
+ROOM_MARGIN = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +42,15 @@ class ScheduledSequence:
     seq: Sequence
     start: int  # first token of this step's chunk (= tokens already computed)
     num_tokens: int  # tokens computed this step
+    # Fixed when scheduled: after the step the sequence has grown, and the step's costs are observed then.
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_decode = self.start == self.seq.num_tokens - 1 and self.seq.num_output_tokens > 0
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.start == self.seq.num_tokens - 1 and self.seq.num_output_tokens > 0
 
     @property
     def completes_prompt(self) -> bool:
@@ -69,26 +77,60 @@ class SchedulerOutput:
 
 
 class StepCosts:
-    """Running estimates of what a decode step and a prefilled token cost, from measured steps."""
+    """What steps cost, from measured steps. A decode-only step: measured online. A prefill chunk of n
+    tokens starting at position s: n * (per_token + per_pair * (s + n / 2)), the second term its attention
+    (each token reads s + its index keys). A per-token average alone would let a long prompt's first chunk
+    stall the decodes: its tokens cost more than the short prompts' the average was learned from. The ratio
+    per_pair / per_token (the shape) comes from `calibrate`; measured steps keep the level current."""
 
     def __init__(self) -> None:
         self.decode_step: float | None = None  # seconds per step that only decodes
-        self.per_token: float | None = None  # seconds per prefilled token
+        self.per_token: float | None = None  # seconds per prefilled token, at context 0
+        self.pair_ratio = 0.0  # per_pair / per_token
+
+    def calibrate(self, seconds_for: Callable[[int], float], short: int, long: int) -> None:
+        """The shape from two timed prompts, `short` and `long` tokens, each from position 0."""
+        if long <= short:
+            return
+        per_short, per_long = seconds_for(short) / short, seconds_for(long) / long
+        per_pair = max(2.0 * (per_long - per_short) / (long - short), 0.0)
+        self.per_token = max(per_short - per_pair * short / 2, per_short / 2)
+        self.pair_ratio = per_pair / self.per_token
+
+    def chunk_seconds(self, n: int, start: int) -> float:
+        assert self.per_token is not None
+        return n * self.per_token * (1.0 + self.pair_ratio * (start + n / 2))
+
+    def tokens_within(self, seconds: float, start: int) -> int:
+        """The most prefill tokens from position `start` that cost at most `seconds`."""
+        assert self.per_token is not None
+        a = self.per_token * (1.0 + self.pair_ratio * start)
+        b = self.per_token * self.pair_ratio  # n * (a + b * n / 2) <= seconds
+        if b == 0.0:
+            return int(seconds / a)
+        return int((-a + math.sqrt(a * a + 2.0 * b * seconds)) / b)
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         prefill, decodes = output.num_prefill_tokens, output.num_decodes
         if prefill == 0:
             self.decode_step = _ema(self.decode_step, seconds)
-        elif decodes == 0:
-            self.per_token = _ema(self.per_token, seconds / prefill)
-        elif self.decode_step is not None:
-            self.per_token = _ema(self.per_token, max(seconds - self.decode_step, 0.0) / prefill)
+            return
+        if decodes and self.decode_step is None:
+            return
+        prefill_seconds = max(seconds - (self.decode_step if decodes else 0.0), 0.0)
+        units = sum(
+            s.num_tokens * (1.0 + self.pair_ratio * (s.start + s.num_tokens / 2))
+            for s in output.scheduled
+            if not s.is_decode
+        )
+        self.per_token = _ema(self.per_token, prefill_seconds / units)
 
-    def chunk_limit(self, max_stall: float, num_decodes: int) -> int | None:
-        """Prefill tokens that keep a step with decodes under max_stall decode steps (None: unknown)."""
+    def prefill_room(self, max_stall: float, num_decodes: int) -> float | None:
+        """Seconds of prefill a step with decodes may spend and stay under max_stall decode steps (None:
+        nothing decodes, or the costs are not known yet)."""
         if not num_decodes or self.decode_step is None or not self.per_token:
             return None
-        return int((max_stall - 1.0) * self.decode_step / self.per_token)
+        return (max_stall - 1.0) * self.decode_step * ROOM_MARGIN
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
@@ -113,7 +155,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         num_decodes = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
-        prefill_room = self.costs.chunk_limit(self.config.max_join_stall, num_decodes)
+        room = self.costs.prefill_room(self.config.max_join_stall, num_decodes)  # seconds
 
         for seq in list(self.running):
             if budget <= 0:
@@ -121,9 +163,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and prefill_room is not None:  # a prompt chunk while others decode
-                n = max(min(n, prefill_room), min(n, self.config.min_chunk))
-                prefill_room = max(prefill_room - n, 0)
+            if n > 1 and room is not None:  # a prompt chunk while others decode
+                n, room = self._chunk(n, seq.num_computed_tokens, room)
             if not self._reserve(seq, n, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
@@ -137,11 +178,10 @@ class Scheduler:
                 n, cached = seq.num_tokens, []
             else:
                 cached = [] if seq.needs_prompt_logits else self.blocks.cached_prefix(seq)
-                n = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
-                if prefill_room is not None:
-                    n = max(min(n, prefill_room), min(n, self.config.min_chunk))
-                    prefill_room = max(prefill_room - n, 0)
                 start = len(cached) * self.blocks.block_size
+                n = min(seq.num_tokens - start, budget)
+                if room is not None:
+                    n, room = self._chunk(n, start, room)
                 if not self.blocks.can_allocate(seq, start + n, cached):
                     break
                 self.blocks.allocate(seq, start + n, cached)
@@ -151,6 +191,11 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _chunk(self, n: int, start: int, room: float) -> tuple[int, float]:
+        """At most n tokens from `start` that fit `room` seconds (never fewer than min_chunk), and the room left."""
+        n = max(min(n, self.costs.tokens_within(room, start)), min(n, self.config.min_chunk))
+        return n, max(room - self.costs.chunk_seconds(n, start), 0.0)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the latest admitted ones if needed."""

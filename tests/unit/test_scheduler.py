@@ -3,8 +3,10 @@ preemption by recompute, prefix caching, abort, and prefill chunks sized to boun
 
 from __future__ import annotations
 
+import pytest
+
 from moe_serve.engine.block_manager import BlockManager
-from moe_serve.engine.scheduler import Scheduler, SchedulerConfig
+from moe_serve.engine.scheduler import ROOM_MARGIN, Scheduler, SchedulerConfig
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 
 BS = 4  # block size
@@ -144,6 +146,34 @@ def test_prefill_chunks_bound_the_step_while_decodes_run() -> None:
     s.costs.decode_step, s.costs.per_token = 0.010, 0.001  # a decode step 10 ms, a prompt token 1 ms
     s.add(seq(100, name="long", first=500))
     steps = [run_step(s) for _ in range(4)]
-    chunk = (3.0 - 1.0) * 0.010 / 0.001  # 20 tokens keep the step under 3 decode steps
+    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN / 0.001)  # 16 tokens keep the step under 3 decode steps
     assert [dict(step)["long"] for step in steps] == [chunk] * 4
     assert all(dict(step)[f"d{i}"] == 1 for step in steps for i in range(4))
+
+
+def test_chunks_shrink_as_the_prompt_context_grows() -> None:
+    """A token late in a long prompt attends to more keys: its chunk gets fewer tokens for the same stall."""
+    s = make(num_blocks=64, budget=400)
+    for i in range(4):
+        s.add(seq(3, name=f"d{i}", first=10 * i))
+    run_step(s)
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0002, 0.02
+    s.add(seq(400, name="long", first=500))
+    chunks, start = [], 0
+    for _ in range(3):
+        n = dict(run_step(s))["long"]
+        assert s.costs.chunk_seconds(n, start) <= (3.0 - 1.0) * 0.010 * ROOM_MARGIN + 1e-12  # within the stall
+        assert s.costs.chunk_seconds(n + 1, start) > (3.0 - 1.0) * 0.010 * ROOM_MARGIN  # and as large as fits
+        chunks.append(n)
+        start += n
+    assert chunks[0] > chunks[1] > chunks[2]
+
+
+def test_calibration_recovers_the_cost_shape() -> None:
+    from moe_serve.engine.scheduler import StepCosts
+
+    per_token, per_pair = 0.001, 0.00002  # seconds per token, per (query, key) pair
+    costs = StepCosts()
+    costs.calibrate(lambda n: n * (per_token + per_pair * n / 2), 64, 512)
+    assert costs.per_token == pytest.approx(per_token) and costs.pair_ratio == pytest.approx(per_pair / per_token)
+    assert costs.tokens_within(costs.chunk_seconds(100, 300) * (1 + 1e-9), 300) == 100
