@@ -9,38 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from benchmarks.robustness import start
 from moe_serve.evaluation.lm_eval_tasks import TASKS, write_tasks
 
 MODELS = ("shakespeare-smoe", "shakespeare-hyperrouter", "shakespeare-dense")
 RUNS = ("shakespeare-smoe:k1", "shakespeare-smoe:k8", "shakespeare-hyperrouter:k1", "shakespeare-hyperrouter:k8",
         "shakespeare-dense")  # fmt: skip
 OUT = Path(__file__).parent / "results" / "lm_eval.json"
-
-
-def serve() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "moe_serve.server", *MODELS, "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise RuntimeError("the server did not start")
 
 
 def evaluate(url: str, model: str, tasks_dir: Path) -> dict:
@@ -68,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     tasks_dir = Path(tempfile.mkdtemp(prefix="lm-eval-tasks-"))
     write_tasks(tasks_dir, per_task=args.docs)
-    server, url = serve()
+    server, url = start(models=MODELS)
     try:
         rows = [evaluate(url, model, tasks_dir) for model in RUNS]
     finally:

@@ -23,11 +23,12 @@ import httpx
 MODEL = "shakespeare-smoe"
 
 
-def start(*args: str) -> tuple[subprocess.Popen, str]:
+def start(*args: str, models: tuple[str, ...] = (MODEL,)) -> tuple[subprocess.Popen, str]:
+    """`moe-serve serve` in its own process on a free loopback port, once it answers /ready."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "moe_serve.server", MODEL, "--port", str(port), "--log-level", "warning", *args]
+    cmd = [sys.executable, "-m", "moe_serve.server", *models, "--port", str(port), "--log-level", "warning", *args]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -57,11 +57,11 @@ class ServedModel:
             max_model_len=self.engine.inputs.max_model_len,
         )
 
-    @property
-    def tokenizer_key(self) -> tuple[str, bool, int | None]:
-        """Equal for models that tokenize every text alike."""
+    tokenizer_key: tuple[str, bool, int | None] = field(init=False)  # equal for models that tokenize alike
+
+    def __post_init__(self) -> None:
         config = self.artifact.config
-        return self.artifact.tokenizer.hf.to_str(), config.add_bos_token, config.bos_token_id
+        self.tokenizer_key = (self.artifact.tokenizer.hf.to_str(), config.add_bos_token, config.bos_token_id)
 
     def cards(self) -> list[p.ModelCard]:
         """The model, then a variant per k it allows: `name:k1` ... for clients that cannot send extra fields."""
