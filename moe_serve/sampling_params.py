@@ -111,11 +111,6 @@ class SamplingParams:
             check_int("stop_token_ids", token_id, 0, 2**31 - 1)
 
     @property
-    def token_ids_used(self) -> list[int]:
-        """The token ids the request names (the engine checks them against its vocabulary)."""
-        return [*self.logit_bias, *self.stop_token_ids]
-
-    @property
     def adjusts_logits(self) -> bool:
         """Whether sampling must change this row's logits before choosing (greedy rows included)."""
         return bool(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -61,7 +62,8 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         config = self.artifact.config
-        self.tokenizer_key = (self.artifact.tokenizer.hf.to_str(), config.add_bos_token, config.bos_token_id)
+        digest = hashlib.sha256(self.artifact.tokenizer.hf.to_str().encode()).hexdigest()
+        self.tokenizer_key = (digest, config.add_bos_token, config.bos_token_id)
 
     def cards(self) -> list[p.ModelCard]:
         """The model, then a variant per k it allows: `name:k1` ... for clients that cannot send extra fields."""

@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,20 +221,6 @@ class AsyncEngine:
         response starts, so that a refusal can still be a 429 or 503. Iterate each stream for its updates."""
         submissions = self._submit([{"request": r} for r in requests])
         return [GenerationStream(self, s) for s in submissions]
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestUpdate]:
-        """Stream one request's updates; leaving the iteration early (client gone) aborts it at once."""
-        (stream,) = self.submit([request])
-        try:
-            async for update in stream:
-                yield update
-        finally:
-            stream.abort()
-
-    async def generate_final(self, request: GenerationRequest) -> RequestOutput:
-        """Run one request to completion and return all its completions at once."""
-        (stream,) = self.submit([request])
-        return await stream.final()
 
     # ---- classification and scoring -------------------------------------------------------------
 
