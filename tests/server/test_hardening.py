@@ -255,7 +255,11 @@ def test_a_client_that_leaves_is_not_an_error_in_the_log(server, caplog, monkeyp
     monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.02) or step())  # 60 tokens outlast the client
     with caplog.at_level(logging.INFO):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(server.url + "/v1/completions", json={**LM, "prompt": "bye", "max_tokens": 60}, timeout=0.1)
+            httpx.post(
+                server.url + "/v1/completions",
+                json={**LM, "prompt": "bye", "max_tokens": 60, "ignore_eos": True},
+                timeout=0.1,
+            )
         time.sleep(0.6)  # the server notices at its next disconnect check
     assert engine.num_requests == 0  # and the abandoned work stopped
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
