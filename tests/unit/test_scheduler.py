@@ -143,10 +143,10 @@ def test_prefill_chunks_bound_the_step_while_decodes_run() -> None:
     for i in range(4):
         s.add(seq(3, name=f"d{i}", first=10 * i))
     run_step(s)
-    s.costs.decode_step, s.costs.per_token = 0.010, 0.001  # a decode step 10 ms, a prompt token 1 ms
-    s.add(seq(100, name="long", first=500))
+    s.costs.decode_step, s.costs.per_token = 0.010, 0.0005  # a decode step 10 ms, a prompt token 0.5 ms
+    s.add(seq(200, name="long", first=500))
     steps = [run_step(s) for _ in range(4)]
-    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN / 0.001)  # 16 tokens keep the step under 3 decode steps
+    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN / 0.0005)  # 27 tokens keep the step under 3 decode steps
     assert [dict(step)["long"] for step in steps] == [chunk] * 4
     assert all(dict(step)[f"d{i}"] == 1 for step in steps for i in range(4))
 
