@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moe_serve.errors import ConfigError
+from moe_serve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +341,9 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None  # one id, or several that all end generation
     add_bos_token: bool = False  # text inputs start with bos_token_id
     chat_template: str | None = None
+    # Stop strings a chat request gets when it sets no `stop` of its own: how a reply ends for a model
+    # without an EOS token (the bundled play-dialogue LMs end a speech at a blank line).
+    chat_stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)
@@ -403,6 +407,13 @@ class ModelConfig:
                     raise ConfigError(f"{name} {token} is outside the vocabulary (size {self.vocab_size})")
         if self.chat_template is not None and len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS:
             raise ConfigError(f"chat_template is longer than {MAX_CHAT_TEMPLATE_CHARS} characters")
+        if self.chat_stop and self.chat_template is None:
+            raise ConfigError("chat_stop needs chat_template (it applies to chat requests only)")
+        if len(self.chat_stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_LENGTH for s in self.chat_stop):
+            raise ConfigError(
+                f"chat_stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} "
+                f"characters; got {list(self.chat_stop)[:4]!r}"
+            )
         if self.position_table_elements > MAX_POSITION_TABLE_ELEMENTS:
             raise ConfigError(
                 f"the {self.position} position tables for max_position_embeddings {self.max_position_embeddings} "

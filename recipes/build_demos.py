@@ -2,7 +2,8 @@
 
     python -m recipes.build_demos [--retrain] [--max-items N]
 
-Writes moe_serve/demo_models/<name>/ (bf16 artifacts with quality.json) and docs/quality_vs_k.{csv,png}.
+Writes moe_serve/demo_models/<name>/ (bf16 artifacts with quality.json; the LMs with recipes.play_chat's
+chat template) and docs/quality_vs_k.{csv,png}.
 Each recipe's command, seed, split and metrics are in its artifact's provenance (config.json).
 """
 
@@ -22,7 +23,7 @@ from moe_serve.exporters import genre_encoder, transformer_xl
 from moe_serve.exporters.base import ExportOptions
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.registry import BUNDLED_DIR
-from recipes import train
+from recipes import play_chat, train
 
 DEMOS = {
     "shakespeare-hyperrouter": ("hyperrouter-lm", partial(transformer_xl.export, "hyperrouter")),
@@ -50,6 +51,8 @@ def main() -> None:
         if args.retrain or not (checkpoint / "checkpoint.safetensors").is_file():
             train.main([recipe, "--out", str(checkpoint)])
         artifact = export(checkpoint, BUNDLED_DIR / name, ExportOptions(dtype=torch.bfloat16, overwrite=True))
+        if train.RECIPES[recipe].kind == "lm":
+            play_chat.install(artifact)  # chat that works out of the box: the template fits the training text
         model_rows = evaluate(LLM(artifact), KS, "shakespeare", args.max_items or None)
         QualityTable(tuple(model_rows)).merge_into(artifact / QUALITY_FILE)
         rows += model_rows

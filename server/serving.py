@@ -302,6 +302,7 @@ def tokenizer_info(ctx: ServingContext, model: str | None) -> p.TokenizerInfo:
         add_bos_token=config.add_bos_token,
         model_max_length=inputs.max_model_len,
         chat_template=config.chat_template,
+        chat_stop=list(config.chat_stop),
     )
 
 

@@ -4,6 +4,7 @@ for is checked here, once, before anything runs; the engine trusts what this ret
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -82,6 +83,12 @@ def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limit
     inputs.require_task("causal_lm", "/v1/chat/completions")
     prompt = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
     params = request.to_sampling_params(limits.max_tokens_cap)
+    if request.stop is None and inputs.config.chat_stop:  # the model's default; a request's own stop replaces it
+        params = dataclasses.replace(params, stop=list(inputs.config.chat_stop))
+    if request.max_tokens is None:  # as OpenAI and vLLM: a reply may run to the end of the context (or the cap)
+        params = dataclasses.replace(
+            params, max_tokens=max(1, min(limits.max_tokens_cap, inputs.max_model_len - len(prompt)))
+        )
     generation = inputs.generation_request(prompt, params)
     return GenerationJob([generation], params, inputs.config.reported_k(generation.k), params.logprobs)
 

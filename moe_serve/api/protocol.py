@@ -215,11 +215,13 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart]
+    name: Text | None = None  # OpenAI's participant name; templates may use it (the bundled LMs' speaker)
 
     def for_template(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined by newlines, as vLLM does."""
+        """The message as chat templates expect it: text parts joined by newlines, as vLLM does; `name`
+        only when given, so templates can test for it as they do under transformers."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        return {"role": self.role, "content": content} | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -410,6 +412,7 @@ class TokenizerInfo(BaseModel):
     add_bos_token: bool
     model_max_length: int
     chat_template: str | None
+    chat_stop: list[str]  # what a chat request's `stop` defaults to (moe-serve's extension)
 
 
 class ErrorInfo(BaseModel):

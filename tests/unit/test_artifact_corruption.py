@@ -149,7 +149,7 @@ LM_FIELDS = [
     "moe.experts_per_token", "moe.experts_per_token.default", "moe.experts_per_token.max", "attention_bias",
     "position", "max_position_embeddings", "rope_theta", "norm", "norm_eps", "norm_position", "final_norm",
     "embedding_scale", "tie_word_embeddings", "bos_token_id", "eos_token_id", "add_bos_token", "chat_template",
-    "qkv_clip", "qk_norm",
+    "chat_stop", "qkv_clip", "qk_norm",
 ]  # fmt: skip
 
 CASES: dict[str, tuple[str, Mutation]] = {
