@@ -1,0 +1,94 @@
+"""Where a decode step's time goes: `batch` greedy sequences decode together and every kernel call of the
+decode-only steps is timed, grouped by what it computes (linear calls by their weight: the LM head, the
+routers, the other projections). What no kernel accounts for is the host's share: scheduling, batch
+building, sampling, detokenizing.
+
+    python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from moe_serve import LLM, EngineConfig, SamplingParams
+from moe_serve.kernels import ops
+
+TIMED = ("linear", "moe_experts", "attention", "rotary_write", "rms_norm", "topk_route")
+
+
+class KernelTimer:
+    """Wraps the kernel entry points of `moe_serve.kernels.ops` (the layers call them through the module)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.enabled = False
+        for name in TIMED:
+            setattr(ops, name, self._wrap(name, getattr(ops, name)))
+
+    def _label(self, name: str, args: tuple) -> str:
+        if name != "linear":
+            return {"moe_experts": "experts", "topk_route": "routing (top-k)"}.get(name, name)
+        out_features = args[1].shape[0]
+        if out_features == self.vocab_size:
+            return "linear: LM head"
+        return "linear: router" if out_features <= 256 else "linear: attention projections"
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.seconds[self._label(name, args)] += time.perf_counter() - start
+            return result
+
+        return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    llm = LLM(args.model_dir, EngineConfig(max_num_seqs=args.batch))
+    timer = KernelTimer(llm.config.vocab_size)
+    params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True, experts_per_token=args.k)
+    rng = random.Random(0)
+    vocab = min(llm.config.vocab_size, 257)
+    seqs = []
+    for i in range(args.batch):
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        seqs += llm.engine.add_request(f"profile-{i}", llm.inputs.generation_request(prompt, params))
+    while not all(seq.num_output_tokens for seq in seqs):  # every prompt prefilled: only decodes from here
+        llm.engine.step()
+    llm.engine.step()  # one untimed decode step
+    timer.enabled = True
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        llm.engine.step()
+    total = (time.perf_counter() - start) / args.steps
+    timer.enabled = False
+
+    per_step = {label: seconds / args.steps for label, seconds in timer.seconds.items()}
+    per_step["host (scheduling, batch building, sampling, detokenizing)"] = total - sum(per_step.values())
+    print(f"{args.model_dir}: batch {args.batch}, k={args.k}: {total * 1e3:.1f} ms per decode step")
+    print("| part | ms per step | share |\n|---|---|---|")
+    for label, seconds in sorted(per_step.items(), key=lambda item: -item[1]):
+        print(f"| {label} | {seconds * 1e3:.2f} | {seconds / total:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
