@@ -1,1 +1,2 @@
-"""`moe-serve batch`: OpenAI Batch JSONL files answered offline, resumable, with k sweeps."""
+"""OpenAI Batch JSONL files answered offline by `moe-serve batch` (resumable, with k sweeps) and by the
+server's Batch API (/v1/files, /v1/batches), on one shared runner (core.py)."""

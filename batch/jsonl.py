@@ -1,18 +1,22 @@
-"""The batch file formats: reading input lines into runnable items (or error lines), output lines, and
-what a previous (possibly killed) run already wrote.
+"""The batch file formats, shared by `moe-serve batch` and the HTTP Batch API: input lines parsed into
+runnable items or line problems, output lines in the strict OpenAI batch-output shape, and what a previous
+(possibly killed) `moe-serve batch` run already wrote.
 
 Input lines: {"custom_id", "method": "POST", "url", "body"} for /v1/completions, /v1/chat/completions,
-/v1/classify and /v1/score (an optional top-level "label" marks a classify line's true class for
-quality-vs-k). Output lines: {"id", "custom_id", "experts_per_token", "experts_per_token_sweep",
-"response": {"status_code", "request_id", "body"}, "error"}. A line that cannot be run (invalid JSON,
-unknown url, duplicate custom_id) becomes one error line.
+/v1/classify and /v1/score (`moe-serve batch` also reads a top-level "label": a classify line's true class,
+for quality against k). Output lines are exactly {"id", "custom_id", "response": {"status_code",
+"request_id", "body"} | null, "error": {"code", "message"} | null}: moe-serve's extensions (the k used,
+`approximate`) are in the body's `usage`, as over HTTP. In a k sweep every line is answered once per k, and
+the answer's custom_id is `<custom_id>:k<k>` (the `name:k<k>` syntax of model names), so that output
+custom_ids stay unique.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,87 +24,151 @@ from moe_serve.errors import ValidationError
 
 URLS = ("/v1/completions", "/v1/chat/completions", "/v1/classify", "/v1/score")
 MAX_CUSTOM_ID = 512
+SWEEP_SUFFIX = ":k"  # "<custom_id>:k2": the line's answer at k = 2
+LINE_FIELDS = ("custom_id", "method", "url", "body")
+OUTPUT_FIELDS = {"id", "custom_id", "response", "error"}
 
 
 @dataclass(slots=True)
 class BatchItem:
-    line: int
+    line: int  # 1-based line number in the input
     custom_id: str
     url: str
     body: dict[str, Any]
-    model: str | None
+    model: str | None  # the body's, else the run's default
     k: int | None  # the sweep's k (None: the body's own experts_per_token)
     label: str | None = None
+    scope: str = ""  # salts the line ids: an HTTP batch's id (ids unique across batches); "" for a file
 
     @property
-    def key(self) -> tuple[str, int | None]:
-        return (self.custom_id, self.k)
+    def output_custom_id(self) -> str:
+        return sweep_custom_id(self.custom_id, self.k)
 
     @property
     def line_id(self) -> str:
-        return line_id(self.custom_id, self.k)
+        return line_id(f"{self.scope}/{self.custom_id}" if self.scope else self.custom_id, self.k)
 
 
-def read_inputs(
-    path: Path, default_model: str | None, ks: list[int] | None
-) -> tuple[list[BatchItem], list[dict], list[str]]:
-    """-> runnable items (one per line and k), error lines for lines that cannot run, duplicate ids."""
-    items, errors, duplicates, seen = [], [], [], set()
-    with open(path, "rb") as f:  # decoded line by line: one line that is not UTF-8 is that line's error
-        for number, raw_bytes in enumerate(f, start=1):
-            if not raw_bytes.strip():
-                continue
-            try:
-                record = json.loads(raw_bytes.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                message = f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-                errors.append(error_line(f"line-{number}", "invalid_encoding", message, number))
-                continue
-            except (json.JSONDecodeError, RecursionError) as exc:
-                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-                errors.append(
-                    error_line(f"line-{number}", "invalid_json", f"line {number} is not valid JSON: {reason}", number)
-                )
-                continue
-            problem = _check_record(record)
-            custom_id = record["custom_id"] if problem is None else f"line-{number}"
-            if problem:
-                errors.append(error_line(custom_id, "invalid_request", f"line {number}: {problem}", number))
-                continue
-            if custom_id in seen:
-                duplicates.append(custom_id)
-                message = f"line {number}: custom_id {custom_id!r} was already used; this line is not run"
-                errors.append(error_line(custom_id, "duplicate_custom_id", message, number))
-                continue
-            seen.add(custom_id)
-            body = record["body"]
-            model = body.get("model") or default_model
-            for k in ks or [None]:
-                items.append(BatchItem(number, custom_id, record["url"], body, model, k, record.get("label")))
-    return items, errors, duplicates
+@dataclass(frozen=True, slots=True)
+class LineProblem:
+    """An input line that cannot run: an error line for `moe-serve batch`, a validation error for the API."""
+
+    line: int
+    code: str
+    message: str
+    param: str | None = None
+
+    def to_error(self) -> dict[str, Any]:
+        """The Batch API's `errors.data` entry."""
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def _check_record(record: Any) -> str | None:
+@dataclass(slots=True)
+class ParsedInput:
+    items: list[BatchItem] = field(default_factory=list)  # one per runnable line and k
+    problems: list[LineProblem] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)  # custom_ids used again (those lines not run)
+
+    @property
+    def num_lines(self) -> int:
+        return len({i.line for i in self.items}) + len(self.problems)
+
+
+@dataclass(slots=True)
+class LineResult:
+    """One item's answer: its output line, and the tokens it cost (summaries and the Batch API's usage)."""
+
+    line: dict[str, Any]
+    item_line: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def is_ok(self) -> bool:
+        return self.line["response"] is not None and self.line["response"]["status_code"] == 200
+
+
+def sweep_custom_id(custom_id: str, k: int | None) -> str:
+    return custom_id if k is None else f"{custom_id}{SWEEP_SUFFIX}{k}"
+
+
+def parse_input(
+    raw_lines: Iterable[bytes],
+    *,
+    default_model: str | None = None,
+    ks: list[int] | None = None,
+    urls: tuple[str, ...] = URLS,
+    allow_label: bool = False,
+    scope: str = "",
+) -> ParsedInput:
+    """Input lines -> runnable items (one per line and k) and problems. Each line is decoded on its own:
+    one line that is not UTF-8 is that line's problem only."""
+    parsed, seen = ParsedInput(), set()
+    for number, raw_bytes in enumerate(raw_lines, start=1):
+        if not raw_bytes.strip():
+            continue
+        try:
+            record = json.loads(raw_bytes.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            message = f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            parsed.problems.append(LineProblem(number, "invalid_encoding", message))
+            continue
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            parsed.problems.append(LineProblem(number, "invalid_json", f"line {number} is not valid JSON: {reason}"))
+            continue
+        problem = _check_record(record, urls, allow_label)
+        if problem is not None:
+            message, param = problem
+            parsed.problems.append(LineProblem(number, "invalid_request", f"line {number}: {message}", param))
+            continue
+        custom_id = record["custom_id"]
+        if custom_id in seen:
+            parsed.duplicates.append(custom_id)
+            message = f"line {number}: custom_id {custom_id!r} was already used; this line is not run"
+            parsed.problems.append(LineProblem(number, "duplicate_custom_id", message, "custom_id"))
+            continue
+        seen.add(custom_id)
+        body = record["body"]
+        model = body.get("model") or default_model
+        for k in ks or [None]:
+            parsed.items.append(BatchItem(number, custom_id, record["url"], body, model, k, record.get("label"), scope))
+    return parsed
+
+
+def read_inputs(path: Path, **options: Any) -> ParsedInput:
+    with open(path, "rb") as f:
+        return parse_input(f, **options)
+
+
+def _check_record(record: Any, urls: tuple[str, ...], allow_label: bool) -> tuple[str, str | None] | None:
+    """(message, parameter) of what is wrong with a decoded line, or None."""
     if not isinstance(record, dict):
-        return "a line must be a JSON object"
+        return "a line must be a JSON object", None
     for name in ("custom_id", "url", "body"):
         if name not in record:
-            return f"missing field {name!r}"
+            return f"missing field {name!r}", name
+    unknown = sorted(set(record) - set(LINE_FIELDS) - ({"label"} if allow_label else set()))
+    if unknown:  # never accepted and ignored
+        return f"unknown field {unknown[0]!r}; a line has {', '.join(LINE_FIELDS)}", unknown[0]
     custom_id = record["custom_id"]
     if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID or not _is_text(custom_id):
-        return f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters"
+        return f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters", "custom_id"
     if record.get("method", "POST") != "POST":
-        return f"method must be POST, got {record.get('method')!r}"
-    if record["url"] not in URLS:
-        return f"unknown url {record['url']!r}; supported: {', '.join(URLS)}"
+        return f"method must be POST, got {record.get('method')!r}", "method"
+    url = record["url"]
+    if url not in urls:
+        if len(urls) == 1:
+            return f"url {url!r} is not the batch's endpoint {urls[0]!r}", "url"
+        return f"unknown url {url!r}; supported: {', '.join(urls)}", "url"
     if not isinstance(record["body"], dict):
-        return "body must be a JSON object"
+        return "body must be a JSON object", "body"
     model = record["body"].get("model")
     if model is not None and not (isinstance(model, str) and _is_text(model)):
-        return "body.model must be a string"
+        return "body.model must be a string", "body.model"
     label = record.get("label")
     if label is not None and not (isinstance(label, str) and _is_text(label)):
-        return "label must be a string"
+        return "label must be a string", "label"
     return None
 
 
@@ -113,72 +181,71 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def completed_keys(path: Path) -> set[tuple[str, int | None]]:
-    """(custom_id, k) pairs already in the output (error lines by their line number). A torn last line
-    from a killed run is cut off so that the rerun appends cleanly; a file that is not a batch output is
-    refused untouched."""
+# ---- output lines ----------------------------------------------------------------------------------
+
+
+def line_id(key: str, k: int | None, line: int | None = None) -> str:
+    """A deterministic id: a rerun gives a line the id it had, which is how a resume recognizes it."""
+    return "batch_req_" + hashlib.sha256(f"{key}|{k}|{line}".encode()).hexdigest()[:24]
+
+
+def error_line(problem: LineProblem) -> dict[str, Any]:
+    """The output line of an input line that could not run; its custom_id is `line-<n>` (a duplicate's own
+    custom_id already names its answered line)."""
+    custom_id = f"line-{problem.line}"
+    return {
+        "id": line_id(custom_id, None, problem.line),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": problem.code, "message": problem.message},
+    }
+
+
+def response_line(item: BatchItem, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An answered line: the body as HTTP would give it (status 200), or its error envelope."""
+    return {
+        "id": item.line_id,
+        "custom_id": item.output_custom_id,
+        "response": {"status_code": status, "request_id": item.line_id, "body": body},
+        "error": None,
+    }
+
+
+def completed_ids(path: Path) -> set[str]:
+    """The ids of the lines already in an output file. A torn last line from a killed run is cut off so
+    that the rerun appends cleanly; a file that is not a batch output is refused untouched."""
     if not path.is_file():  # nothing yet, or a device or pipe (-o /dev/stdout): nothing to resume from
         return set()
     data = path.read_bytes()
     complete, torn = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
-    keys = set()
+    ids = set()
     for number, raw in enumerate(complete.splitlines(), start=1):
         try:
             record = json.loads(raw)
-            line = (record.get("error") or {}).get("line")
-            keys.add(error_key(line) if line is not None else (record["custom_id"], record["experts_per_token_sweep"]))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            if not OUTPUT_FIELDS <= set(record) or not isinstance(record["id"], str):
+                raise ValueError
+        except (ValueError, TypeError):
             raise ValidationError(
                 f"output {path} is not a batch output (line {number} is not a result line); give a new file, or "
                 "the output of the run to resume",
                 parameter="output",
             ) from None
+        ids.add(record["id"])
     if torn:
         with open(path, "r+b") as f:
             f.truncate(len(complete))
-    return keys
+    return ids
 
 
-def error_key(line: int) -> tuple[str, None]:
-    return (f"#line-{line}", None)
-
-
-def error_line(custom_id: str, code: str, message: str, line: int) -> dict:
-    return {
-        "id": line_id(custom_id, None, line),
-        "custom_id": custom_id,
-        "experts_per_token_sweep": None,
-        "response": None,
-        "error": {"code": code, "message": message, "line": line},
-    }
-
-
-def response_line(item: BatchItem, status: int, body: dict, prompt_tokens: int = 0, completion_tokens: int = 0) -> dict:
-    """An answered line; `_tokens` is popped by the driver for the summary before the line is written."""
-    k = item.k if item.k is not None else (body.get("usage") or {}).get("experts_per_token")
-    line = {
-        "id": item.line_id,
-        "custom_id": item.custom_id,
-        "experts_per_token": k,
-        "experts_per_token_sweep": item.k,
-        "response": {"status_code": status, "request_id": item.line_id, "body": body},
-        "error": None,
-        "_tokens": (prompt_tokens, completion_tokens),
-    }
-    if item.label is not None:
-        line["label"] = item.label
-    return line
-
-
-def line_id(custom_id: str, k: int | None, line: int | None = None) -> str:
-    return "batch_req_" + hashlib.sha256(f"{custom_id}|{k}|{line}".encode()).hexdigest()[:24]
-
-
-def append(out: Any, line: dict) -> None:
+def to_json(line: dict[str, Any]) -> str:
     try:
         text = json.dumps(line, ensure_ascii=False)
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate echoed from the input: escaped, still valid JSON
         text = json.dumps(line)
-    out.write(text + "\n")
+    return text
+
+
+def append(out: Any, line: dict[str, Any]) -> None:
+    out.write(to_json(line) + "\n")
     out.flush()  # a kill -9 loses at most the line being written; a rerun cuts it off

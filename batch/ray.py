@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from moe_serve.batch.jsonl import BatchItem
+from moe_serve.batch.jsonl import BatchItem, LineResult
 from moe_serve.batch.runner import ChunkRunner, EnginePool, process_chunk
 from moe_serve.config import EngineConfig
 from moe_serve.errors import MoEServeError
@@ -20,7 +20,7 @@ class BatchWorker:
         torch.set_num_threads(1)
         self.pool = EnginePool(engine_config)
 
-    def run(self, items: list[BatchItem]) -> list[dict]:
+    def run(self, items: list[BatchItem]) -> list[LineResult]:
         return process_chunk(self.pool, items)
 
 
@@ -35,7 +35,7 @@ def ray_chunk_runner(address: str | None, num_workers: int, engine_config: Engin
     worker_class = ray.remote(num_cpus=1)(BatchWorker)
     workers = [worker_class.remote(engine_config) for _ in range(num_workers)]
 
-    def run(chunks: Iterable[list[BatchItem]]) -> Iterator[list[dict]]:
+    def run(chunks: Iterable[list[BatchItem]]) -> Iterator[list[LineResult]]:
         queue = iter(chunks)
         in_flight = {}
         try:

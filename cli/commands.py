@@ -117,7 +117,7 @@ def batch(args: argparse.Namespace) -> int:
         chunk_runner=runner,
     )
     if options.quality:
-        _write_batch_quality(options)
+        _write_batch_quality(options, ks)
     data = dataclasses.asdict(summary)
     data["tokens_per_s"] = (summary.prompt_tokens + summary.completion_tokens) / max(summary.seconds, 1e-9)
     data["requests_per_s"] = summary.requests / max(summary.seconds, 1e-9)
@@ -135,11 +135,13 @@ def batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_batch_quality(options: BatchOptions) -> None:
-    from moe_serve.batch.quality import quality_rows
+def _write_batch_quality(options: BatchOptions, ks: list[int] | None) -> None:
+    from moe_serve.batch.jsonl import read_inputs
+    from moe_serve.batch.quality import labels_of, quality_rows
     from moe_serve.registry import resolve_model
 
-    rows = quality_rows(options.output_path, options.input_path.stem)
+    labels = labels_of(read_inputs(options.input_path, ks=ks, allow_label=True))
+    rows = quality_rows(options.output_path, options.input_path.stem, labels)
     for model in sorted({r.model or "" for r in rows}):
         mine = [r for r in rows if r.model == model]
         target = options.output_path.with_name(f"{options.output_path.stem}.{Path(model).name}.quality.json")

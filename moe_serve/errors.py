@@ -34,6 +34,19 @@ class ModelNotFoundError(MoEServeError):
         self.name = name
 
 
+class NotFoundError(MoEServeError):
+    """A request names a stored object (a file, a batch) that does not exist; `parameter` names the field
+    that named it (HTTP 404)."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+class UnavailableError(MoEServeError):
+    """A part of the server the request needs cannot serve it now, for a reason the message gives (HTTP 503)."""
+
+
 class EngineOverloadedError(MoEServeError):
     """Too many requests are waiting; retry after `retry_after` seconds (HTTP 429)."""
 

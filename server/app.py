@@ -11,14 +11,15 @@ from starlette.types import Scope
 
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.registry import bundled_models
+from moe_serve.server.batches import BatchService
 from moe_serve.server.errors import install_error_handlers
 from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.middleware import AccessLogMiddleware, AdmissionMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from moe_serve.server.openapi import clean_openapi
-from moe_serve.server.routes import dashboard, openai, ops, pooling, tokenizer
+from moe_serve.server.routes import batches, dashboard, openai, ops, pooling, tokenizer
 from moe_serve.server.serving import ServedModel, ServingContext
-from moe_serve.server.settings import ServerSettings
+from moe_serve.server.settings import UPLOAD_PATHS, ServerSettings
 
 PREPARE_THREADS = 4  # tokenizing and template rendering run here, never on the event loop
 
@@ -44,22 +45,27 @@ def create_app(
     executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
 
     lifecycle = Lifecycle()
+    ctx = ServingContext(served, settings, metrics, executor)
+    batch_service = BatchService(ctx, lifecycle)
 
     async def drain() -> None:
+        await batch_service.stop()  # batch lines in flight are dropped: they run again after a restart
         await lifecycle.drain([model.engine for model in served.values()], settings.drain_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await batch_service.start()
         yield
         await drain()  # already done when a signal started it; else (an embedding app stopping) now
         executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moe-serve", version="0.1.0", lifespan=lifespan)
-    app.state.ctx = ServingContext(served, settings, metrics, executor)
+    app.state.ctx = ctx
     app.state.lifecycle = lifecycle
+    app.state.batches = batch_service
     app.state.drain = drain
     install_error_handlers(app)
-    for router in (openai.router, pooling.router, tokenizer.router, ops.router, dashboard.router):
+    for router in (openai.router, pooling.router, batches.router, tokenizer.router, ops.router, dashboard.router):
         app.include_router(router)
     clean_openapi(app)
 
@@ -68,7 +74,12 @@ def create_app(
         set, whatever paths clients send."""
         return getattr(scope.get("route"), "path", None) or "unmatched"
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        max_upload_bytes=settings.max_upload_bytes,
+        upload_paths=UPLOAD_PATHS,
+    )
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=settings.open_paths)
     app.add_middleware(AdmissionMiddleware, max_requests=settings.max_concurrent_requests, lifecycle=lifecycle)
     app.add_middleware(AccessLogMiddleware, metrics=metrics, endpoint_of=endpoint_of)

@@ -14,6 +14,8 @@ from moe_serve.errors import (
     EngineOverloadedError,
     EngineStoppedError,
     ModelNotFoundError,
+    NotFoundError,
+    UnavailableError,
     ValidationError,
 )
 from moe_serve.server.middleware import error_response
@@ -32,6 +34,8 @@ def install_error_handlers(app: FastAPI) -> None:
     for kind in (
         ValidationError,
         ModelNotFoundError,
+        NotFoundError,
+        UnavailableError,
         EngineOverloadedError,
         EngineStoppedError,
         ClientDisconnectedError,

@@ -35,11 +35,13 @@ FLUSH_SECONDS = 2.0  # after the engines stop: time for the failed requests' res
 
 class Lifecycle:
     """Whether the server drains, and how many API requests are in flight (counted by the admission
-    middleware): what a drain waits for."""
+    middleware): what a drain waits for; and how many of them are interactive (model work a client waits
+    on): what the Batch API's worker yields to."""
 
     def __init__(self) -> None:
         self.draining = False
         self.in_flight = 0
+        self.interactive = 0
         self._stopped = False
 
     async def drain(self, engines: Iterable[AsyncEngine], timeout: float) -> None:

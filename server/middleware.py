@@ -18,7 +18,7 @@ from moe_serve.api.errors import ApiError, api_error
 from moe_serve.errors import ClientDisconnectedError
 from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
-from moe_serve.server.settings import is_api_path
+from moe_serve.server.settings import is_api_path, is_interactive_path
 
 access_log = logging.getLogger("moe_serve.access")
 logger = logging.getLogger("moe_serve.server")
@@ -105,11 +105,14 @@ class AdmissionMiddleware:
             message = f"the server is handling its maximum of {self.max_requests} requests; retry later"
             error = ApiError(503, message, "service_unavailable", headers={"Retry-After": "1"})
             return await error_response(error)(scope, receive, send)
+        interactive = is_interactive_path(scope["path"])
         lifecycle.in_flight += 1
+        lifecycle.interactive += interactive
         try:
             await self.app(scope, receive, send)
         finally:
             lifecycle.in_flight -= 1
+            lifecycle.interactive -= interactive
 
 
 class ApiKeyMiddleware:
@@ -132,23 +135,34 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+class _BodyTooLarge(Exception):
+    """An upload outgrew its limit while the application read it."""
+
+
 class BodyLimitMiddleware:
     """413 for bodies over the limit, announced by Content-Length or not (chunked): the body is read here,
-    up to the limit, before the application sees any of it."""
+    up to the limit, before the application sees any of it. Uploads (`upload_paths`) have their own, larger
+    limit and reach the application as they arrive (it spools them to disk), counted on the way."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, max_upload_bytes: int = 0, upload_paths: tuple[str, ...] = ()
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_upload_bytes = max_upload_bytes
+        self.upload_paths = upload_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
-        too_large = error_response(
-            ApiError(413, f"request body exceeds {self.max_bytes} bytes", "invalid_request_error")
-        )
+        is_upload = scope["path"] in self.upload_paths
+        limit = self.max_upload_bytes if is_upload else self.max_bytes
+        too_large = error_response(ApiError(413, f"request body exceeds {limit} bytes", "invalid_request_error"))
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        if length is not None and length.isdigit() and int(length) > limit:
             return await too_large(scope, receive, send)
+        if is_upload:
+            return await self._streamed(scope, receive, send, too_large)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -171,3 +185,26 @@ class BodyLimitMiddleware:
             return await receive()  # after the body: disconnects still arrive
 
         return await self.app(scope, replay, send)
+
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send, too_large: JSONResponse) -> None:
+        size, started = 0, False
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_upload_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, send_started)
+        except _BodyTooLarge:
+            if not started:
+                await too_large(scope, receive, send)

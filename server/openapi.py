@@ -15,7 +15,7 @@ STREAMING = ("/v1/completions", "/v1/chat/completions")
 ERROR_STATUSES = {
     "400": "invalid request (the error names the parameter)",
     "401": "missing or invalid API key (when the server has one)",
-    "404": "unknown model",
+    "404": "unknown model (or file, or batch)",
     "413": "request body too large",
     "429": "queue full: retry after Retry-After seconds",
     "503": "draining or at its request limit: retry after Retry-After seconds",

@@ -19,11 +19,25 @@ EXPERT_METRICS = ("full", "summary", "off")
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key (load balancers, orchestrators)
 MONITORING_PATHS = ("/metrics", "/dashboard", "/dashboard/data", "/docs", "/openapi.json")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's names, outside /v1
+BATCH_API_PATHS = ("/v1/files", "/v1/batches")  # the Batch API: bookkeeping, no model work of its own
+UPLOAD_PATHS = ("/v1/files",)  # bodies streamed to disk under max_upload_bytes, not read whole
 
 
 def is_api_path(path: str) -> bool:
     """The paths that do model work: admitted, counted in metrics by route, documented with error statuses."""
     return path.startswith("/v1/") or path in TOKENIZER_PATHS
+
+
+def is_interactive_path(path: str) -> bool:
+    """The API paths whose requests a client waits on while a model works: what batches yield to."""
+    return is_api_path(path) and not any(path == p or path.startswith(p + "/") for p in BATCH_API_PATHS)
+
+
+def default_data_dir() -> Path:
+    """Where the Batch API keeps its state by default: the XDG state dir (the user's, not a cache: losing it
+    loses batches)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "moe-serve"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +51,15 @@ class ServerSettings:
         False, "listen on a non-loopback address without an API key (refused otherwise)"
     )
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    max_upload_bytes: int = option(
+        200 << 20, "larger files uploaded to POST /v1/files get 413 (streamed to disk, never held in memory)"
+    )
+    data_dir: str | None = option(
+        None, "the Batch API's database and files (default: $XDG_STATE_HOME/moe-serve, else ~/.local/state/moe-serve)"
+    )
+    batch_max_in_flight: int = option(
+        64, "Batch API lines in flight while no interactive request runs (one while any does)"
+    )
     public_monitoring: bool = option(
         False, "with an API key, still serve /metrics, /dashboard, /docs and /openapi.json without it"
     )
@@ -55,6 +78,10 @@ class ServerSettings:
     limits: RequestLimits = option(factory=RequestLimits, cli=False)
 
     @property
+    def batch_data_dir(self) -> Path:
+        return Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+
+    @property
     def open_paths(self) -> tuple[str, ...]:
         """What is served without the API key."""
         return OPEN_PATHS + MONITORING_PATHS if self.public_monitoring else OPEN_PATHS
@@ -66,7 +93,8 @@ class ServerSettings:
             key = _read_key(key_file)
         object.__setattr__(self, "api_key", key)
         check_int("port", self.port, 0, 65535)
-        for name in ("max_body_bytes", "max_concurrent_requests", "max_connections"):
+        check_int("batch_max_in_flight", self.batch_max_in_flight, 1)
+        for name in ("max_body_bytes", "max_upload_bytes", "max_concurrent_requests", "max_connections"):
             check_int(name, getattr(self, name), 1)
         for name in ("header_timeout", "keep_alive_timeout", "drain_timeout"):
             check_number(name, getattr(self, name), 0.1, 3600.0)

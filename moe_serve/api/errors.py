@@ -14,6 +14,8 @@ from moe_serve.errors import (
     EngineOverloadedError,
     EngineStoppedError,
     ModelNotFoundError,
+    NotFoundError,
+    UnavailableError,
     ValidationError,
 )
 
@@ -39,6 +41,8 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
         return ApiError(400, message, "invalid_request_error", param)
     if isinstance(exc, ModelNotFoundError):
         return ApiError(404, str(exc), "not_found_error", "model")
+    if isinstance(exc, NotFoundError):
+        return ApiError(404, str(exc), "not_found_error", exc.parameter)
     if isinstance(exc, EngineOverloadedError):
         return ApiError(
             429,
@@ -48,6 +52,8 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
         )
     if isinstance(exc, EngineStoppedError):
         return ApiError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, UnavailableError):
+        return ApiError(503, str(exc), "service_unavailable")
     if isinstance(exc, ClientDisconnectedError):
         return ApiError(499, "client closed the request", "client_closed_request")
     suffix = f" (request id {request_id})" if request_id else ""
@@ -57,7 +63,9 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """pydantic's first error as one message naming the top-level field."""
     error = errors[0]
-    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    location = [str(part) for part in error.get("loc", ())]
+    if location[:1] in (["body"], ["query"], ["path"]):  # where FastAPI found it, not the field's name
+        location = location[1:]
     param = location[0] if location else None  # the top-level field (deeper parts name union members)
     if error.get("type") == "json_invalid":
         return f"malformed JSON in the request body: {error.get('msg', '')}", None

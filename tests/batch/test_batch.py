@@ -1,5 +1,5 @@
-"""`moe-serve batch`: OpenAI batch lines in and out, k sweeps, bad lines, duplicates, resume after kill -9,
-quality rows from a labelled sweep."""
+"""`moe-serve batch`: OpenAI batch lines in and out (each output line in the strict OpenAI shape), k sweeps
+(`<custom_id>:k<k>`), bad lines, duplicates, resume after kill -9, quality rows from a labelled sweep."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_serve.batch.quality import quality_rows
+from moe_serve.batch.jsonl import read_inputs
+from moe_serve.batch.quality import labels_of, quality_rows
 from moe_serve.batch.runner import run_batch
 from moe_serve.config import EngineConfig
 from tests.conftest import classifier_config, lm_config
@@ -22,6 +23,21 @@ from tests.conftest import classifier_config, lm_config
 
 def line(custom_id: str, url: str, body: dict, **extra) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+def assert_strict(lines: list[dict]) -> None:
+    """What a strict OpenAI batch-output schema accepts: exact key sets, moe-serve's extensions only inside
+    the response body; and custom_ids unique, so a consumer can key the results by them."""
+    for x in lines:
+        assert set(x) == {"id", "custom_id", "response", "error"}, x
+        assert isinstance(x["id"], str) and isinstance(x["custom_id"], str)
+        assert (x["response"] is None) != (x["error"] is None), x
+        if x["response"] is not None:
+            assert set(x["response"]) == {"status_code", "request_id", "body"}
+            assert isinstance(x["response"]["status_code"], int) and isinstance(x["response"]["body"], dict)
+        else:
+            assert set(x["error"]) == {"code", "message"}
+    assert len({x["custom_id"] for x in lines}) == len(lines)
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +73,27 @@ def test_every_endpoint_bad_lines_and_duplicates(tmp_path: Path, models) -> None
     summary, written = run_batch(inputs, output, default_model=lm, models=(clf,), ks=[1, 4], progress=False)
     lines = [json.loads(raw) for raw in output.read_text().splitlines()]
     assert len(lines) == len(written) == 3 + 5 * 2  # three error lines, five runnable lines at two k
-    by_key = {(x["custom_id"], x["experts_per_token_sweep"]): x for x in lines if x["error"] is None}
-    gen = by_key[("gen", 4)]["response"]
+    assert_strict(lines)
+    by_key = {x["custom_id"]: x for x in lines if x["error"] is None}
+    assert set(by_key) == {f"{c}:k{k}" for c in ("gen", "score", "clf", "badk", "badtype") for k in (1, 4)}
+    gen = by_key["gen:k4"]["response"]
     assert (
         gen["status_code"] == 200
         and len(gen["body"]["choices"]) == 2
         and gen["body"]["usage"]["experts_per_token"] == 4
     )
-    assert by_key[("score", 1)]["response"]["body"]["data"][0]["num_bytes"] == 19
-    assert by_key[("clf", 4)]["response"]["body"]["model"] == clf  # the body's model wins over --model
-    bad_k = by_key[("badk", 1)]["response"]
+    assert by_key["score:k1"]["response"]["body"]["data"][0]["num_bytes"] == 19
+    assert by_key["score:k1"]["response"]["body"]["usage"]["experts_per_token"] == 1  # the k used, in the body
+    assert by_key["clf:k4"]["response"]["body"]["model"] == clf  # the body's model wins over --model
+    bad_k = by_key["badk:k1"]["response"]
     assert bad_k["status_code"] == 200  # the sweep's k replaces the body's own
-    bad_type = by_key[("badtype", 1)]["response"]
+    bad_type = by_key["badtype:k1"]["response"]
     assert bad_type["status_code"] == 400 and bad_type["body"]["error"]["param"] == "input"
     errors = {x["error"]["code"]: x for x in lines if x["error"]}
     assert set(errors) == {"invalid_json", "invalid_request", "duplicate_custom_id"}
     assert "unknown url '/v1/embeddings'" in errors["invalid_request"]["error"]["message"]
+    assert errors["duplicate_custom_id"]["custom_id"] == "line-6"  # "gen" names the answered line
+    assert "custom_id 'gen' was already used" in errors["duplicate_custom_id"]["error"]["message"]
     assert summary.duplicates == ["gen"] and summary.requests == 10 and summary.errors == 3 + 2
     # A second run finds everything done and writes nothing.
     summary2, written2 = run_batch(inputs, output, default_model=lm, models=(clf,), ks=[1, 4], progress=False)
@@ -110,11 +131,12 @@ def test_poison_lines_fail_alone_and_a_rerun_resumes(tmp_path: Path, models) -> 
     summary, written = run_batch(inputs, output, default_model=lm, models=(clf,), progress=False)
     lines = [json.loads(raw) for raw in output.read_text(encoding="utf-8").splitlines()]
     assert len(lines) == len(written) == 10
+    assert_strict(lines)
     status = {x["custom_id"]: (x["response"] or {}).get("status_code") for x in lines}
-    codes = {x["error"]["line"]: x["error"]["code"] for x in lines if x["error"]}
+    codes = {x["custom_id"]: x["error"]["code"] for x in lines if x["error"]}
     assert status["ok"] == status["ok-too"] == 200
     assert status["classifier"] == status["surrogate"] == status["top_k"] == status["seed"] == 400
-    assert codes == {3: "invalid_encoding", 5: "invalid_request"}
+    assert codes == {"line-3": "invalid_encoding", "line-5": "invalid_request"}
     # A model path outside the allowed set is refused alike whether or not it exists.
     refusal = {x["custom_id"]: x["response"]["body"]["error"] for x in lines if x["custom_id"] in ("etc", "nowhere")}
     assert status["etc"] == status["nowhere"] == 404
@@ -202,14 +224,15 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path: Path, models
     summary = json.loads(done.stdout)
     assert summary["skipped"] >= partial - 1 and summary["requests"] == 240 - summary["skipped"]
     lines = [json.loads(raw) for raw in output.read_text().splitlines()]
-    counts = Counter((x["custom_id"], x["experts_per_token_sweep"]) for x in lines)
-    assert set(counts) == {(f"req-{i}", k) for i in range(120) for k in (1, 3)}
+    counts = Counter(x["custom_id"] for x in lines)
+    assert set(counts) == {f"req-{i}:k{k}" for i in range(120) for k in (1, 3)}
     assert set(counts.values()) == {1}
+    assert_strict(lines)
     # Same answers as an uninterrupted run.
     fresh = tmp_path / "fresh.jsonl"
     run_batch(inputs, fresh, default_model=str(models["lm"]), ks=[1, 3], engine_config=EngineConfig(), progress=False)
     texts = lambda path: {
-        (x["custom_id"], x["experts_per_token_sweep"]): x["response"]["body"]["choices"][0]["text"]
+        x["custom_id"]: x["response"]["body"]["choices"][0]["text"]
         for x in map(json.loads, path.read_text().splitlines())
     }  # noqa: E731
     assert texts(output) == texts(fresh)
@@ -230,7 +253,8 @@ def test_quality_rows_from_a_labelled_sweep(tmp_path: Path, models) -> None:
     )
     output = tmp_path / "out.jsonl"
     run_batch(inputs, output, default_model=clf, models=(str(models["lm"]),), ks=[1, 4], progress=False)
-    rows = quality_rows(output, "labelled")
+    assert_strict([json.loads(raw) for raw in output.read_text().splitlines()])
+    rows = quality_rows(output, "labelled", labels_of(read_inputs(inputs, ks=[1, 4], allow_label=True)))
     metrics = {(r.model, r.metric, r.k) for r in rows}
     assert metrics == {
         (clf, "accuracy", 1),
@@ -282,7 +306,7 @@ def test_ray_run_equals_local_run(tmp_path: Path, models) -> None:
         for x in map(json.loads, path.read_text().splitlines()):
             if x.get("response"):
                 x["response"]["body"].pop("created", None)
-            out[(x["custom_id"], x["experts_per_token_sweep"])] = x
+            out[x["custom_id"]] = x
         return out
 
     local_lines, ray_lines = normalized(local), normalized(distributed)

@@ -70,12 +70,13 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def server(artifacts) -> Iterator[RunningServer]:
+def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
     running = start_server(
         ServerSettings(
             models=(str(artifacts["lm"]), str(artifacts["clf"])),
             limits=RequestLimits(max_tokens_cap=64),
             engine=EngineConfig(max_num_seqs=16),
+            data_dir=str(tmp_path_factory.mktemp("batch-data")),  # the Batch API's state, never the user's
         )
     )
     yield running

@@ -1,0 +1,141 @@
+"""The one batch runner behind `moe-serve batch` and the HTTP Batch API: each item answered exactly as over
+HTTP (moe_serve.api) on the serving engine (AsyncEngine), a bounded number of items in flight, and each
+answer handed to a sink the moment it is ready (appended to a file by the command, stored in SQLite by
+the server), so that what a kill interrupts is only what was in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+import pydantic
+
+from moe_serve.api import protocol as p
+from moe_serve.api import responses
+from moe_serve.api.errors import ApiError, api_error
+from moe_serve.api.prepare import prepare_chat, prepare_completion, prepare_pooling
+from moe_serve.batch.jsonl import BatchItem, LineResult, response_line
+from moe_serve.config import RequestLimits
+from moe_serve.engine.async_engine import AsyncEngine
+from moe_serve.errors import EngineOverloadedError, EngineStoppedError, MoEServeError, ValidationError
+
+T = TypeVar("T")
+REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "/v1/completions": p.CompletionRequest,
+    "/v1/chat/completions": p.ChatCompletionRequest,
+    "/v1/classify": p.ClassifyRequest,
+    "/v1/score": p.ScoreRequest,
+}
+OVERLOAD_PAUSE = 0.2  # seconds an item refused by a full engine queue waits before it is tried again
+
+
+class LineModels(Protocol):
+    """Where a line's model comes from: the command's engine pool, or the server's served models."""
+
+    limits: RequestLimits
+
+    def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:
+        """The model a line runs on (its name in responses, its engine); raises LineError or MoEServeError."""
+        ...
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run request preparation (tokenizing, templates): the server keeps it off its event loop."""
+        ...
+
+
+class LineError(Exception):
+    """A line refused with this exact error (a model the run may not load, a model that fails to load)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def answer(models: LineModels, item: BatchItem) -> LineResult:
+    """One item's result: the response body as HTTP would give it, or its error envelope. A full engine
+    queue (EngineOverloadedError) and a stopping engine (EngineStoppedError) are raised instead: they say
+    nothing about the line, which is to run later."""
+    body = dict(item.body)
+    if item.k is not None:
+        body["experts_per_token"] = item.k
+    try:
+        request = REQUEST_MODELS[item.url].model_validate(body)
+        if getattr(request, "stream", False):
+            raise ValidationError("stream is not supported in a batch: a line's answer is one body", parameter="stream")
+        name, engine = models.resolve(request, item)
+        return await _run(models, name, engine, item, request)
+    except (EngineOverloadedError, EngineStoppedError):
+        raise
+    except LineError as exc:
+        return error_result(item, exc.error)
+    except (MoEServeError, pydantic.ValidationError) as exc:
+        return error_result(item, api_error(exc))
+
+
+async def _run(
+    models: LineModels, name: str, engine: AsyncEngine, item: BatchItem, request: pydantic.BaseModel
+) -> LineResult:
+    inputs, limits = engine.inputs, models.limits
+    if isinstance(request, p.CompletionRequest | p.ChatCompletionRequest):
+        is_chat = isinstance(request, p.ChatCompletionRequest)
+        job = await models.prepare(prepare_chat if is_chat else prepare_completion, inputs, request, limits)
+        results, scores = await job.gather(engine, engine.submit(job.requests) if job.generate else [])
+        if is_chat:
+            body = responses.chat_response(name, job, results[0], inputs.tokenizer, item.line_id)  # type: ignore[index]
+        else:
+            body = responses.completion_response(name, job, results, inputs.tokenizer, item.line_id, scores)
+        completion_tokens = sum(r.num_generated_tokens for r in results or [])
+        return LineResult(response_line(item, 200, body.model_dump()), item.line, job.prompt_tokens, completion_tokens)
+    pooled = await models.prepare(prepare_pooling, inputs, request, limits)
+    if pooled.kind == "classify":
+        data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, pooled.k))
+    else:
+        data = responses.score_response(
+            name, pooled, await engine.score(pooled.token_ids, pooled.k, pooled.return_token_logprobs)
+        )
+    return LineResult(response_line(item, 200, data.model_dump()), item.line, pooled.prompt_tokens)
+
+
+def error_result(item: BatchItem, error: ApiError) -> LineResult:
+    return LineResult(response_line(item, error.status, error.body()), item.line)
+
+
+async def run_items(
+    items: Iterable[BatchItem],
+    answer_one: Callable[[BatchItem], Awaitable[LineResult]],
+    sink: Callable[[LineResult], None],
+    window: Callable[[], int],
+    should_stop: Callable[[], bool] = lambda: False,
+    tick: float = 0.1,
+) -> bool:
+    """Answer items with at most `window()` in flight (read again as items finish, and every `tick`
+    seconds, so a server can narrow it while interactive requests run), handing each result to `sink` as
+    it completes. Returns False when `should_stop()` ended the run early: what was in flight is cancelled
+    (its engine work aborted) and never reaches the sink. A sink's exception, or EngineStoppedError,
+    ends the run the same way and propagates."""
+    queue = deque(items)
+    running: dict[asyncio.Future, BatchItem] = {}
+    try:
+        while queue or running:
+            if should_stop():
+                return False
+            while queue and len(running) < max(1, window()):
+                item = queue.popleft()
+                running[asyncio.ensure_future(answer_one(item))] = item
+            done, _ = await asyncio.wait(running, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: (running[t].line, running[t].k or 0)):
+                item = running.pop(task)
+                try:
+                    result = task.result()
+                except EngineOverloadedError:  # the engine's queue is full (interactive traffic): wait a turn
+                    queue.appendleft(item)
+                    await asyncio.sleep(OVERLOAD_PAUSE)
+                    continue
+                sink(result)
+        return True
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
