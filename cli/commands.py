@@ -224,6 +224,24 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_onnx(args: argparse.Namespace) -> int:
+    from moe_serve.exporters.onnx import export_onnx
+
+    external = {"auto": None, "always": True, "never": False}[args.external_data]
+    result = export_onnx(
+        args.model, args.dst, external_data=external, overwrite=args.overwrite, verify=not args.no_verify
+    )
+    data = {
+        "path": str(result.path),
+        "files": list(result.files),
+        "external_data": result.external_data,
+        "max_abs_diff": result.max_abs_diff,
+    }
+    checked = "" if result.max_abs_diff is None else f"; onnxruntime vs torch max abs diff {result.max_abs_diff:.2g}"
+    _emit(args, data, f"wrote {result.path} ({', '.join(result.files)}){checked}")
+    return 0
+
+
 def inspect(args: argparse.Namespace) -> int:
     from moe_serve.artifact import load_artifact
     from moe_serve.registry import resolve_model
@@ -256,6 +274,7 @@ COMMANDS = {
     "batch": batch,
     "eval": evaluate,
     "export": export,
+    "export-onnx": export_onnx,
     "inspect": inspect,
     "models": models,
 }

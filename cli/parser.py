@@ -83,6 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    onnx = commands.add_parser(
+        "export-onnx", help="export an artifact to an ONNX graph with experts_per_token as an input per row"
+    )
+    onnx.add_argument("model", metavar="MODEL", help="artifact directory or bundled demo model name")
+    onnx.add_argument("dst", type=Path, metavar="OUT_DIR", help="directory to write (written aside, then renamed)")
+    onnx.add_argument(
+        "--external-data",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="weights in model.onnx.data beside the graph (auto: when they exceed 1 GiB)",
+    )
+    onnx.add_argument("--no-verify", action="store_true", help="skip running the graph with onnxruntime once")
+    onnx.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    onnx.add_argument("--json", action="store_true")
+
     inspect = commands.add_parser("inspect", help="summarize an artifact: architecture, experts, k range, parameters")
     inspect.add_argument("model", metavar="MODEL")
     inspect.add_argument("--json", action="store_true")

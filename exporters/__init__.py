@@ -1,7 +1,7 @@
 """Checkpoint converters, offline only (`moe-serve export FORMAT SRC DST`); the runtime never imports them.
 
 FORMATS is the registry: source format -> (module, function[, method]); adding a format is a module with
-an `export(...)` function and a line here.
+an `export(...)` function and a line here. ONNX is a target, not a source: `onnx/` (`moe-serve export-onnx`).
 """
 
 from __future__ import annotations
