@@ -179,9 +179,11 @@ def evaluate(args: argparse.Namespace) -> int:
     from moe_serve.evaluation.runner import evaluate as run_eval
     from moe_serve.evaluation.table import format_table, write_csv
     from moe_serve.llm import LLM
+    from moe_serve.moe_policy import MoEPolicy
     from moe_serve.quality import QUALITY_FILE
 
     requested = int_list(args.k, "k")
+    policies = MoEPolicy.parse_sweep(args.moe) if args.moe else []
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     rows, written = [], {}
@@ -193,7 +195,7 @@ def evaluate(args: argparse.Namespace) -> int:
         )
         name = llm.artifact.name
         targets = _quality_targets(llm.artifact.path, output_dir / name / QUALITY_FILE, args.write_artifact)
-        model_rows = run_eval(llm, ks, args.dataset, args.max_items, progress=not args.json)
+        model_rows = run_eval(llm, ks, args.dataset, args.max_items, progress=not args.json, policies=policies)
         _save_quality(model_rows, targets)
         written[name] = [str(t) for t in targets]
         rows += model_rows

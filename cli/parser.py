@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--k", default=None, help="comma-separated k values (default: 1, 2, 4, ... up to the model's max)"
     )
+    evaluate.add_argument(
+        "--moe",
+        default=None,
+        metavar="top_p=P,P,...",
+        help="also run each adaptive top-p policy (e.g. top_p=0.6,0.8,0.9), placed on the plot at its measured mean k",
+    )
     evaluate.add_argument("--dataset", default="shakespeare")
     evaluate.add_argument(
         "--max-items",

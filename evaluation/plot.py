@@ -1,4 +1,5 @@
-"""Quality against k as a PNG: one panel per metric, one line per model (matplotlib, the `eval` extra)."""
+"""Quality against k as a PNG: one panel per metric, one line per model, adaptive-policy runs as labelled
+points at their measured mean k (matplotlib, the `eval` extra)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,15 @@ def plot(path: Path, rows: list[QualityRow]) -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
         for model in sorted({r.model or "" for r in rows if r.metric == metric}):
-            points = sorted((r.k, r.value) for r in rows if r.metric == metric and (r.model or "") == model)
-            ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=model)
+            mine = [r for r in rows if r.metric == metric and (r.model or "") == model]
+            points = sorted((r.k, r.value) for r in mine if r.policy is None)
+            (line,) = ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=model)
+            adaptive = sorted((r.k, r.value, r.policy) for r in mine if r.policy is not None)
+            if adaptive:  # each policy at the mean k it took, in the model's colour
+                ax.scatter([k for k, _, _ in adaptive], [v for _, v, _ in adaptive], marker="D", color=line.get_color(),
+                           label=f"{model} (adaptive, at mean k)")  # fmt: skip
+                for k, v, policy in adaptive:
+                    ax.annotate(policy, (k, v), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("experts per token (k)")
         ax.set_ylabel(metric.replace("_", " "))

@@ -1,5 +1,5 @@
 """Quality against k on a held-out dataset: bits per byte for language models, accuracy and macro-F1 for
-classifiers, one QualityRow per (k, metric)."""
+classifiers, one QualityRow per (k, metric), and per (adaptive policy, metric) at its measured mean k."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from tqdm.auto import tqdm
 from moe_serve.errors import ValidationError
 from moe_serve.evaluation.metrics import bits_per_byte, classification_metrics
 from moe_serve.llm import LLM
+from moe_serve.moe_policy import MoEPolicy
+from moe_serve.outputs import ExpertCounts
 from moe_serve.quality import QualityRow
 
 DATASETS = ("shakespeare",)
@@ -36,31 +38,38 @@ def dataset_inputs(dataset: str, task: str, max_items: int | None, max_len: int)
 
 
 def evaluate(
-    llm: LLM, ks: list[int], dataset: str = "shakespeare", max_items: int | None = None, progress: bool = True
+    llm: LLM,
+    ks: list[int],
+    dataset: str = "shakespeare",
+    max_items: int | None = None,
+    progress: bool = True,
+    policies: list[MoEPolicy] | None = None,
 ) -> list[QualityRow]:
+    """Rows at each fixed k, then at each adaptive policy: those carry the policy's name and, as their k,
+    the mean k its tokens took (so they sit on the quality-vs-k plot where they cost)."""
     task, name = llm.config.task, llm.artifact.name
     items = dataset_inputs(dataset, task, max_items, llm.inputs.max_model_len)
     texts = [text for text, _ in items]
+    # (k of the row, k asked for, policy): a dense model is asked for no k; its rows keep the k given.
+    runs = [(k, k if llm.config.moe else None, None) for k in ks] + [(None, None, p) for p in policies or []]
+    for _, k, policy in runs:  # every run is checked before the first starts
+        llm.inputs.resolve(k, policy)
     rows = []
-    with tqdm(total=len(ks) * len(texts), desc=f"eval {name}", unit="text", disable=not progress) as bar:
-        for k in ks:
-            request_k = k if llm.config.moe else None
-            llm.inputs.resolve_k(request_k)
+    with tqdm(total=len(runs) * len(texts), desc=f"eval {name}", unit="text", disable=not progress) as bar:
+        for row_k, k, policy in runs:
+            results: list = []
+            for start in range(0, len(texts), BATCH):
+                chunk = texts[start : start + BATCH]
+                run = llm.score if task == "causal_lm" else llm.classify
+                results += run(chunk, experts_per_token=k, moe=policy)
+                bar.update(len(chunk))
             if task == "causal_lm":
-                logprob, num_bytes = 0.0, 0
-                for start in range(0, len(texts), BATCH):
-                    for score in llm.score(texts[start : start + BATCH], experts_per_token=request_k):
-                        logprob += score.total_logprob
-                        num_bytes += score.num_bytes
-                    bar.update(min(BATCH, len(texts) - start))
+                logprob, num_bytes = sum(r.total_logprob for r in results), sum(r.num_bytes for r in results)
                 metrics = {"bits_per_byte": bits_per_byte(logprob, num_bytes)}
             else:
-                predictions = []
-                for start in range(0, len(texts), BATCH):
-                    predictions += [
-                        c.label for c in llm.classify(texts[start : start + BATCH], experts_per_token=request_k)
-                    ]
-                    bar.update(min(BATCH, len(texts) - start))
-                metrics = classification_metrics([label or "" for _, label in items], predictions)
-            rows += [QualityRow(dataset, k, metric, value, name) for metric, value in metrics.items()]
+                metrics = classification_metrics([label or "" for _, label in items], [r.label for r in results])
+            if policy is not None:
+                row_k = ExpertCounts.total(r.experts for r in results).mean  # where the policy sits on the plot
+            label = policy.name if policy is not None else None
+            rows += [QualityRow(dataset, row_k, metric, value, name, label) for metric, value in metrics.items()]
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from moe_serve.engine.inputs import GenerationRequest
 from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import ValidationError
-from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
+from moe_serve.moe_policy import KSpec, MoEPolicy
+from moe_serve.outputs import ClassificationOutput, CompletionOutput, ExpertCounts, RequestOutput, ScoreOutput
 from moe_serve.registry import resolve_model
 from moe_serve.sampling_params import SamplingParams
 
@@ -81,6 +83,9 @@ class LLM:
                 prompt_token_ids=request.prompt_token_ids,
                 outputs=[_completion(s) for s in seqs],
                 experts_per_token=self.config.reported_k(request.k),
+                experts=ExpertCounts.total(s.experts(self.config.moe_layers) for s in seqs)
+                if self.config.moe_layers
+                else None,
             )
             for request, (rid, seqs) in zip(requests, ids, strict=True)
         ]
@@ -111,11 +116,16 @@ class LLM:
     # ---- classification and scoring -------------------------------------------------------------
 
     def classify(
-        self, texts: str | SequenceABC[str], experts_per_token: int | SequenceABC[int] | None = None
+        self,
+        texts: str | SequenceABC[str],
+        experts_per_token: int | SequenceABC[int] | None = None,
+        *,
+        moe: MoEPolicy | Mapping[str, Any] | None = None,
     ) -> list[ClassificationOutput]:
+        """`moe`: an adaptive k policy for every input, instead of experts_per_token."""
         self.inputs.require_task("sequence_classification", "classify")
         text_list = _as_text_list(texts, "input")
-        ks = self._resolve_ks(experts_per_token, len(text_list))
+        ks = self._resolve_ks(experts_per_token, moe, len(text_list))
         token_ids = [
             self.inputs.check_classify_input(self.inputs.encode_text(t, "input"), i) for i, t in enumerate(text_list)
         ]
@@ -132,13 +142,15 @@ class LLM:
         texts: str | SequenceABC[str],
         experts_per_token: int | SequenceABC[int] | None = None,
         *,
+        moe: MoEPolicy | Mapping[str, Any] | None = None,
         return_token_logprobs: bool = False,
     ) -> list[ScoreOutput]:
         """Log-likelihood of each text under the LM. Every token after the first is scored; models with
-        add_bos_token start the text with BOS, so all of the text's own tokens are scored."""
+        add_bos_token start the text with BOS, so all of the text's own tokens are scored. `moe`: an
+        adaptive k policy for every text, instead of experts_per_token."""
         self.inputs.require_task("causal_lm", "score")
         text_list = _as_text_list(texts, "input")
-        ks = self._resolve_ks(experts_per_token, len(text_list))
+        ks = self._resolve_ks(experts_per_token, moe, len(text_list))
         token_ids = [self.inputs.check_score_input(self.inputs.encode_text(t, "input")) for t in text_list]
         added = self._run(
             lambda rid, i: self.engine.add_inputs(rid, [token_ids[i]], ks[i], SequenceKind.SCORE),
@@ -150,14 +162,17 @@ class LLM:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def _resolve_ks(self, value: int | SequenceABC[int] | None, count: int) -> list[int]:
+    def _resolve_ks(
+        self, value: int | SequenceABC[int] | None, moe: MoEPolicy | Mapping[str, Any] | None, count: int
+    ) -> list[KSpec]:
+        policy = MoEPolicy.of(moe)
         if isinstance(value, SequenceABC) and not isinstance(value, str):
             if len(value) != count:
                 raise ValidationError(
                     f"experts_per_token has {len(value)} entries for {count} inputs", parameter="experts_per_token"
                 )
-            return [self.inputs.resolve_k(v) for v in value]
-        return [self.inputs.resolve_k(value)] * count  # type: ignore[arg-type]
+            return [self.inputs.resolve(v, policy) for v in value]
+        return [self.inputs.resolve(value, policy)] * count  # type: ignore[arg-type]
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

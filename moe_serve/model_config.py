@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moe_serve.errors import ConfigError
+from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 logger = logging.getLogger(__name__)
@@ -444,13 +445,22 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.layers
 
-    def reported_k(self, k: int) -> int | None:
-        """The k a result reports: None for a model without MoE layers, where k means nothing."""
-        return k if self.moe is not None else None
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The MoE layers in model order (the order of per-layer expert counts); () for a dense model."""
+        return tuple(sorted(self.moe.layers)) if self.moe is not None else ()
 
-    def is_approximate(self, k: int) -> bool:
-        """Whether results at k are an approximation of the trained method (flagged in responses)."""
-        return self.moe is not None and self.moe.is_approximate(k)
+    def reported_k(self, k: int | KSpec) -> int | None:
+        """The k a result reports: None for a model without MoE layers, where k means nothing, and for a
+        top-p policy, whose tokens each took their own k (reported as a mean, ExpertCounts)."""
+        spec = KSpec.of(k)
+        return spec.k if self.moe is not None and not spec.adaptive else None
+
+    def is_approximate(self, k: int | KSpec) -> bool:
+        """Whether results at k are an approximation of the trained method (flagged in responses); under
+        a top-p policy, whether any k its tokens may take is."""
+        spec = KSpec.of(k)
+        return self.moe is not None and any(self.moe.is_approximate(n) for n in range(spec.lowest, spec.k + 1))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

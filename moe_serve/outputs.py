@@ -2,7 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCounts:
+    """Experts the tokens of a result took, summed per MoE layer over the tokens it computed (prompt and
+    generated tokens fed back; not those found in the prefix cache). A fixed k counts k per token; under a
+    top-p policy each token's own k is counted. Sums, so that results add up (prompts, completions)."""
+
+    tokens: int = 0  # tokens that went through the MoE layers
+    per_layer: tuple[tuple[int, int], ...] = ()  # (MoE layer index, experts summed over those tokens)
+
+    @property
+    def mean(self) -> float | None:
+        """Mean experts per token over every MoE layer (None: nothing computed)."""
+        if not self.tokens or not self.per_layer:
+            return None
+        return sum(n for _, n in self.per_layer) / (self.tokens * len(self.per_layer))
+
+    def layer_means(self) -> dict[int, float]:
+        return {layer: n / self.tokens for layer, n in self.per_layer} if self.tokens else {}
+
+    def __add__(self, other: ExpertCounts) -> ExpertCounts:
+        if not other.per_layer:
+            return self
+        if not self.per_layer:
+            return other
+        merged = tuple((layer, a + b) for (layer, a), (_, b) in zip(self.per_layer, other.per_layer, strict=True))
+        return ExpertCounts(self.tokens + other.tokens, merged)
+
+    @classmethod
+    def total(cls, counts: Iterable[ExpertCounts | None]) -> ExpertCounts:
+        out = cls()
+        for c in counts:
+            if c is not None:
+                out = out + c
+        return out
 
 
 @dataclass(slots=True)
@@ -35,8 +72,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    experts_per_token: int | None  # None for a dense model
+    experts_per_token: int | None  # None for a dense model, or a request with a `moe` policy
     metrics: RequestMetrics | None = None
+    experts: ExpertCounts | None = None  # what its tokens took (None for a dense model)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -49,6 +87,7 @@ class ClassificationOutput:
     probs: dict[str, float]
     experts_per_token: int | None
     approximate: bool = False  # soft_merge with k < N: a top-k merge, not exact SMEAR
+    experts: ExpertCounts | None = None
 
 
 @dataclass(slots=True)
@@ -60,3 +99,4 @@ class ScoreOutput:
     experts_per_token: int | None
     token_logprobs: list[float] | None = field(default=None)
     top_logprobs: list[dict[int, float]] | None = field(default=None)  # per scored token, when asked for
+    experts: ExpertCounts | None = None

@@ -6,7 +6,9 @@ server exports as `moe_serve_quality` gauges and the dashboard plots. Layout:
     {"updated_at": "...Z", "results": [{"model": "...", "dataset": "...", "k": 2, "metric": "bits_per_byte",
                                          "value": 2.41}, ...]}
 
-`model` is optional inside an artifact (the table belongs to that artifact).
+`model` is optional inside an artifact (the table belongs to that artifact). A row measured under an adaptive
+`moe` policy names it (`"policy": "top_p=0.8"`) and its `k` is the mean k its tokens took (a number, not an
+integer): such a row is identified by its policy, not its k, and sits on the quality-vs-k plot at that k.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity"})
 @dataclass(frozen=True, slots=True)
 class QualityRow:
     dataset: str
-    k: int
+    k: int | float  # a fixed k, or under `policy` the measured mean k
     metric: str
     value: float
     model: str | None = None
+    policy: str | None = None  # e.g. "top_p=0.8"; None: a fixed k
 
     @property
-    def key(self) -> tuple[str, int, str]:
-        return (self.dataset, self.k, self.metric)
+    def key(self) -> tuple[str, str, float, str]:
+        """What a newer row replaces: the same k, or the same policy (whose measured k may move)."""
+        return (self.dataset, self.policy or "", 0 if self.policy else self.k, self.metric)
 
     def to_dict(self) -> dict[str, Any]:
         return {name: value for name, value in asdict(self).items() if value is not None}
@@ -60,7 +64,7 @@ class QualityTable:
         return cls(rows, updated if isinstance(updated, str) else None)
 
     def merged(self, rows: list[QualityRow] | tuple[QualityRow, ...]) -> QualityTable:
-        """A new table in which `rows` replace earlier rows with the same (dataset, k, metric)."""
+        """A new table in which `rows` replace earlier rows with the same key (dataset, k or policy, metric)."""
         by_key = {row.key: row for row in self.rows}
         by_key.update({row.key: row for row in rows})
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -92,8 +96,14 @@ def _row(entry: Any, where: str) -> QualityRow:
     for name, kind in (("dataset", str), ("metric", str)):
         if not isinstance(entry.get(name), kind) or not entry[name]:
             raise ArtifactError(f"{where}.{name} must be a non-empty string, got {entry.get(name)!r}")
+    policy = entry.get("policy")
+    if policy is not None and (not isinstance(policy, str) or not policy):
+        raise ArtifactError(f"{where}.policy must be a non-empty string, got {policy!r}")
     k = entry.get("k")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if policy is not None:  # a measured mean k
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k) or k < 1:
+            raise ArtifactError(f"{where}.k must be a number of at least 1 (a mean k), got {k!r}")
+    elif not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ArtifactError(f"{where}.k must be a positive integer, got {k!r}")
     value = entry.get("value")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -101,4 +111,4 @@ def _row(entry: Any, where: str) -> QualityRow:
     model = entry.get("model")
     if model is not None and not isinstance(model, str):
         raise ArtifactError(f"{where}.model must be a string, got {model!r}")
-    return QualityRow(entry["dataset"], k, entry["metric"], float(value), model)
+    return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy)

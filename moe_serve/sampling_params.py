@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import MoEPolicy
 from moe_serve.options import option
 from moe_serve.validation import check_int, check_number
 
@@ -41,6 +42,9 @@ class SamplingParams:
     experts_per_token: int | None = option(
         None, "the request's k, active experts per token (default: the model's)", flags=("-k",)
     )
+    moe: MoEPolicy | None = option(
+        None, "an adaptive k policy instead of experts_per_token: MoEPolicy or {'policy': 'top_p', 'p': ...}", cli=False
+    )
     ignore_eos: bool = option(False, "keep generating past the end-of-text token")
     presence_penalty: float = option(0.0, "subtract this from the logit of every token already generated (-2..2)")
     frequency_penalty: float = option(0.0, "subtract this times its count from each generated token's logit (-2..2)")
@@ -61,6 +65,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.logit_bias, dict):  # JSON keys are strings: {"50256": -100}
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        self.moe = MoEPolicy.of(self.moe)  # a mapping from JSON or Python; checked as it is built
         self.verify()
 
     def verify(self) -> None:
@@ -84,6 +89,13 @@ class SamplingParams:
             )
         if self.experts_per_token is not None:
             check_int("experts_per_token", self.experts_per_token, 1)
+        if self.moe is not None and not isinstance(self.moe, MoEPolicy):
+            raise ValidationError("moe must be a MoEPolicy", parameter="moe")
+        if self.moe is not None and self.experts_per_token is not None:
+            raise ValidationError(
+                "give either experts_per_token (a fixed k) or moe (a policy choosing k per token), not both",
+                parameter="moe",
+            )
         check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         check_number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)

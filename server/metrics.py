@@ -1,6 +1,7 @@
-"""Prometheus collectors (prefix moe_serve_, base units, `model` label; latency histograms by `k`) and the
-functions that record into them. Queue, cache, expert-load and quality figures are read from the served
-engines when Prometheus scrapes, so they are never stale. One registry per app, so tests can run several."""
+"""Prometheus collectors (prefix moe_serve_, base units, `model` label; latency histograms by `k`, which is
+"top_p" for requests with a `moe` policy; the mean k of each request by policy) and the functions that
+record into them. Queue, cache, expert-load and quality figures are read from the served engines when
+Prometheus scrapes, so they are never stale. One registry per app, so tests can run several."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from prometheus_client.registry import Collector
 
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.engine.expert_load import max_share, normalised_entropy
-from moe_serve.outputs import RequestMetrics
+from moe_serve.moe_policy import KSpec
+from moe_serve.outputs import ExpertCounts, RequestMetrics
 from moe_serve.quality import QualityTable
 from moe_serve.server.settings import ExpertMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+EXPERT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
 
 
 class Metrics:
@@ -41,6 +44,12 @@ class Metrics:
         self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step", ["k"])
         self.prompt_tokens = Counter("moe_serve_prompt_tokens", "Prompt tokens processed", ["model", "k"], registry=r)
         self.generation_tokens = Counter("moe_serve_generation_tokens", "Tokens generated", ["model", "k"], registry=r)
+        self.experts_per_token = histogram(
+            "experts_per_token",
+            "Mean experts per token of each finished request (policy: fixed k, or an adaptive `moe` policy)",
+            ["policy"],
+            EXPERT_BUCKETS,
+        )
         self.engines = _EngineCollector(expert_metrics)
         r.register(self.engines)
 
@@ -49,7 +58,7 @@ class Metrics:
         self.engines.models[name] = (engine, quality)
 
     def record_generation(
-        self, name: str, endpoint: str, k: int | None, prompt_tokens: int, metrics: RequestMetrics | None
+        self, name: str, endpoint: str, k: int | str | None, prompt_tokens: int, metrics: RequestMetrics | None
     ) -> None:
         """Latency and token metrics of one finished prompt (all its completions)."""
         if metrics is None:
@@ -68,9 +77,15 @@ class Metrics:
             for before, after in zip(timing.token_times, timing.token_times[1:], strict=False):
                 self.itl.labels(name, label).observe(after - before)
 
-    def record_pooling(self, name: str, endpoint: str, k: int | None, seconds: float, prompt_tokens: int) -> None:
+    def record_pooling(self, name: str, endpoint: str, k: int | str | None, seconds: float, prompt_tokens: int) -> None:
         self.e2e.labels(name, str(k), endpoint).observe(seconds)
         self.prompt_tokens.labels(name, str(k)).inc(prompt_tokens)
+
+    def record_experts(self, name: str, spec: KSpec, experts: ExpertCounts | None) -> None:
+        """The mean k one finished request's tokens took (nothing for a dense model)."""
+        mean = experts.mean if experts is not None else None
+        if mean is not None:
+            self.experts_per_token.labels(name, spec.policy).observe(mean)
 
 
 class _EngineCollector(Collector):
@@ -121,7 +136,8 @@ class _EngineCollector(Collector):
             prefix_queries.add_metric([name], queried)
             prefix_hits.add_metric([name], hits)
             for row in table.rows if table else ():
-                quality.add_metric([name, str(row.k), row.metric, row.dataset], row.value)
+                if row.policy is None:  # gauges by fixed k; an adaptive run's k is a measurement, not a label
+                    quality.add_metric([name, str(row.k), row.metric, row.dataset], row.value)
             if self.expert_metrics == "off" or engine.expert_load is None:
                 continue
             for layer, counts in engine.expert_load.totals().items():

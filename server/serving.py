@@ -26,6 +26,8 @@ from moe_serve.api.prepare import tokenize as prepare_tokenize
 from moe_serve.artifact import Artifact
 from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate, SequenceUpdate
 from moe_serve.errors import ClientDisconnectedError, ModelNotFoundError, ValidationError
+from moe_serve.moe_policy import KSpec
+from moe_serve.outputs import ExpertCounts
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.settings import ServerSettings
 
@@ -173,7 +175,7 @@ async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[
 async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_completion, served.engine.inputs, request, ctx.settings.limits)
-    _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     # Admitted (or refused: 429, 503) before a response starts.
     streams = served.engine.submit(job.requests) if job.generate else []
     if request.stream:
@@ -187,9 +189,11 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
 
         return _event_stream(ctx, served, job, streams, "completions", request.stream_options, http.state, choice)
     results, prompt_scores = await _unless_disconnected(http, job.gather(served.engine, streams))
+    label = k_label(job.reported_k, job.k)
     for result in results or []:
         prompt_tokens = len(result.prompt_token_ids)
-        ctx.metrics.record_generation(served.name, "completions", job.reported_k, prompt_tokens, result.metrics)
+        ctx.metrics.record_generation(served.name, "completions", label, prompt_tokens, result.metrics)
+        ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = sum(r.num_generated_tokens for r in results or [])
     tokenizer = served.artifact.tokenizer
     return responses.completion_response(served.name, job, results, tokenizer, prompt_scores=prompt_scores)
@@ -198,7 +202,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_chat, served.engine.inputs, request, ctx.settings.limits)
-    _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
     if request.stream:
         tokenizer = served.artifact.tokenizer
@@ -206,7 +210,10 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
         first = responses.chat_role_choices(job.params.n)
         return _event_stream(ctx, served, job, streams, "chat", request.stream_options, http.state, choice, first)
     result = await _unless_disconnected(http, streams[0].final())
-    ctx.metrics.record_generation(served.name, "chat", job.reported_k, job.prompt_tokens, result.metrics)
+    ctx.metrics.record_generation(
+        served.name, "chat", k_label(job.reported_k, job.k), job.prompt_tokens, result.metrics
+    )
+    ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = result.num_generated_tokens
     return responses.chat_response(served.name, job, result, served.artifact.tokenizer)
 
@@ -230,7 +237,7 @@ def _event_stream(
     async def events() -> AsyncIterator[str]:
         if first:
             yield _sse({**header, "choices": first})
-        completion_tokens = 0
+        completion_tokens, experts, label = 0, ExpertCounts(), k_label(job.reported_k, job.k)
         try:
             async for prompt_index, update in _merged(streams):
                 for u in update.updates:
@@ -238,9 +245,13 @@ def _event_stream(
                     yield _sse({**header, "choices": [choice(prompt_index, u)]})
                 if update.finished:
                     prompt_tokens = len(job.requests[prompt_index].prompt_token_ids)
-                    ctx.metrics.record_generation(served.name, endpoint, job.reported_k, prompt_tokens, update.metrics)
+                    ctx.metrics.record_generation(served.name, endpoint, label, prompt_tokens, update.metrics)
+                    ctx.metrics.record_experts(served.name, job.k, update.experts)
+                    experts = ExpertCounts.total([experts, update.experts])
             if options and options.include_usage:
-                usage = responses.usage(job.prompt_tokens, completion_tokens, job.reported_k)
+                usage = responses.usage(
+                    job.prompt_tokens, completion_tokens, job.reported_k, spec=job.k, experts=experts
+                )
                 yield _sse({**header, "choices": [], "usage": usage.model_dump()})
         except Exception as exc:  # headers are gone: report in-band, then close the stream
             yield _sse(api_error(exc).body())
@@ -259,20 +270,24 @@ def _event_stream(
 async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> p.ClassifyResponse:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
-    _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    label = k_label(job.reported_k, job.k)
+    _annotate(http.state, served.name, label, job.prompt_tokens)
     start = time.monotonic()
     results = await _unless_disconnected(http, served.engine.classify(job.token_ids, job.k))
-    ctx.metrics.record_pooling(served.name, "classify", job.reported_k, time.monotonic() - start, job.prompt_tokens)
+    ctx.metrics.record_pooling(served.name, "classify", label, time.monotonic() - start, job.prompt_tokens)
+    ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
     return responses.classify_response(served.name, job, results)
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
-    _annotate(http.state, served.name, job.reported_k, job.prompt_tokens)
+    label = k_label(job.reported_k, job.k)
+    _annotate(http.state, served.name, label, job.prompt_tokens)
     start = time.monotonic()
     results = await _unless_disconnected(http, served.engine.score(job.token_ids, job.k, job.return_token_logprobs))
-    ctx.metrics.record_pooling(served.name, "score", job.reported_k, time.monotonic() - start, job.prompt_tokens)
+    ctx.metrics.record_pooling(served.name, "score", label, time.monotonic() - start, job.prompt_tokens)
+    ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
     return responses.score_response(served.name, job, results)
 
 
@@ -320,6 +335,12 @@ async def _unless_disconnected(http: Request, work: Any) -> Any:
     return task.result()
 
 
-def _annotate(state: Any, model: str, k: int | None, prompt_tokens: int) -> None:
+def k_label(reported_k: int | None, spec: KSpec) -> int | str | None:
+    """The k that metrics and the access log show: the fixed k, "top_p" under a `moe` policy, None for a
+    dense model."""
+    return spec.label if spec.adaptive else reported_k
+
+
+def _annotate(state: Any, model: str, k: int | str | None, prompt_tokens: int) -> None:
     """What the access log and request counter need to know about the request."""
     state.model, state.k, state.prompt_tokens = model, k, prompt_tokens

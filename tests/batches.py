@@ -7,7 +7,8 @@ import torch
 
 from moe_serve.kernels import ops
 from moe_serve.kernels.ops import AttentionBatch
-from moe_serve.layers.batch import ForwardBatch
+from moe_serve.layers.batch import AdaptiveK, ForwardBatch
+from moe_serve.moe_policy import KSpec
 
 KERNELS = ["cpu", "torch"]
 
@@ -20,8 +21,11 @@ def use_kernels(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
         pytest.skip("the CPU kernels are not built on this machine")
 
 
-def packed_batch(lengths: list[int], ks: list[int]) -> ForwardBatch:
-    """Whole sequences, no cache: what the runner builds for a bidirectional or first-chunk step."""
+def packed_batch(
+    lengths: list[int], ks: list[int], policies: list[tuple[float, int] | None] | None = None, num_layers: int = 1
+) -> ForwardBatch:
+    """Whole sequences, no cache: what the runner builds for a bidirectional or first-chunk step.
+    policies: per sequence, None (exactly its k) or (p, min_k), top-p with its k as the max."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     attention = AttentionBatch(
         seq_ids=torch.tensor([s for s, n in enumerate(lengths) for _ in range(n)]),
@@ -32,7 +36,15 @@ def packed_batch(lengths: list[int], ks: list[int]) -> ForwardBatch:
         num_keys_host=tuple(lengths),
     )
     top_k = torch.tensor([k for k, n in zip(ks, lengths, strict=True) for _ in range(n)])
-    return ForwardBatch(attention, top_k, max(ks))
+    adaptive = None
+    if policies is not None:
+        specs = [KSpec(k) if pm is None else KSpec(k, pm[0], pm[1]) for k, pm in zip(ks, policies, strict=True)]
+        adaptive = AdaptiveK(
+            cut=torch.tensor([s.cut for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
+            min_k=torch.tensor([s.lowest for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
+            experts_used=torch.zeros(num_layers, len(lengths), dtype=torch.int64),
+        )
+    return ForwardBatch(attention, top_k, max(ks), adaptive_k=adaptive)
 
 
 def pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,22 @@ def choose(logits: list[float], k: int) -> list[int]:
     return sorted(range(len(logits)), key=lambda i: (-logits[i], i))[:k]
 
 
+def top_p_k(logits: list[float], p: float, min_k: int, max_k: int) -> int:
+    """A token's k under a top-p policy, one expert at a time: experts in order of full-softmax
+    probability (largest first, ties to the lower index) until their probabilities sum to at least p,
+    clamped to [min_k, max_k]; p = 1 takes max_k."""
+    if p >= 1.0:
+        return max_k
+    z = sum(math.exp(v) for v in logits)
+    total, n = 0.0, 0
+    for i in choose(logits, len(logits)):
+        total += math.exp(logits[i]) / z
+        n += 1
+        if total >= p:
+            break
+    return min(max(n, min_k), max_k)
+
+
 def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: list[int]) -> list[float]:
     if kind == "topk_uniform":
         return [1.0 / len(chosen)] * len(chosen)
@@ -60,8 +76,17 @@ def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: lis
     return [math.exp(logits[i]) / z for i in chosen]
 
 
-def reference_moe(block: MoEBlock, x: torch.Tensor, token_mask: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """x [B, L, D], token_mask [B, L], ks: k of each sequence -> [B, L, D] (padding rows zero)."""
+def reference_moe(
+    block: MoEBlock,
+    x: torch.Tensor,
+    token_mask: torch.Tensor,
+    ks: list[int],
+    policies: list[tuple[float, int] | None] | None = None,
+    taken: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """x [B, L, D], token_mask [B, L], ks: k of each sequence -> [B, L, D] (padding rows zero).
+    policies: per sequence, None (exactly its k) or (p, min_k): top-p with its k as the max. taken: when
+    given, receives the k each token of each sequence took."""
     cfg = block.config
     out = torch.zeros_like(x)
     w_router = block.router.weight.double()
@@ -92,7 +117,11 @@ def reference_moe(block: MoEBlock, x: torch.Tensor, token_mask: torch.Tensor, ks
                 if b_router is not None:
                     logits = logits + b_router
                 logits = logits.tolist()
-                chosen = choose(logits, ks[b])
+                policy = policies[b] if policies is not None else None
+                k = ks[b] if policy is None else top_p_k(logits, policy[0], policy[1], ks[b])
+                if taken is not None:
+                    taken[b].append(k)
+                chosen = choose(logits, k)
                 weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
                 y = torch.zeros_like(token)
                 for e, w in zip(chosen, weights, strict=True):

@@ -60,6 +60,10 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
     return ApiError(500, f"internal server error{suffix}", "internal_error")
 
 
+# Request fields that are objects with fields of their own (no unions), whose errors name the inner field.
+OBJECT_FIELDS = frozenset({"moe"})
+
+
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """pydantic's first error as one message naming the top-level field."""
     error = errors[0]
@@ -67,6 +71,8 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if location[:1] in (["body"], ["query"], ["path"]):  # where FastAPI found it, not the field's name
         location = location[1:]
     param = location[0] if location else None  # the top-level field (deeper parts name union members)
+    if param in OBJECT_FIELDS and len(location) > 1:
+        param = f"{param}.{location[1]}"  # an object of named fields: name the one at fault (`moe.p`)
     if error.get("type") == "json_invalid":
         return f"malformed JSON in the request body: {error.get('msg', '')}", None
     if error.get("type") == "missing":

@@ -17,6 +17,7 @@ from moe_serve.config import RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine, GenerationStream
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import RequestOutput, ScoreOutput
 from moe_serve.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ class GenerationJob:
 
     requests: list[GenerationRequest]
     params: SamplingParams
-    reported_k: int | None  # what responses report (None for a dense model)
+    reported_k: int | None  # what responses report (None for a dense model or a `moe` policy)
     logprobs: int | None  # alternatives per token to return (None: no logprobs)
     echo: bool = False  # completions: the prompt precedes each choice's text (and its logprobs, scored)
     generate: bool = True  # False for echo with max_tokens 0: the prompt is only scored
@@ -35,6 +36,11 @@ class GenerationJob:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def k(self) -> KSpec:
+        """The k spec of every request of the job."""
+        return self.requests[0].k
 
     async def gather(
         self, engine: AsyncEngine, streams: list[GenerationStream]
@@ -51,11 +57,11 @@ class GenerationJob:
 
 @dataclass(slots=True)
 class PoolingJob:
-    """A classify or score request: token ids of each input, all at one k."""
+    """A classify or score request: token ids of each input, all at one k spec."""
 
     kind: Literal["classify", "score"]
     token_ids: list[list[int]]
-    k: int
+    k: KSpec  # what AsyncEngine.classify and .score take
     reported_k: int | None
     approximate: bool
     return_token_logprobs: bool = False
@@ -107,7 +113,7 @@ def prepare_pooling(
         raise ValidationError(
             f"input has {len(texts)} items; at most {limits.max_inputs} per request", parameter="input"
         )
-    k = inputs.resolve_k(request.experts_per_token)
+    k = inputs.resolve(request.experts_per_token, request.moe.to_policy() if request.moe is not None else None)
     token_ids = [inputs.encode_text(text, "input") for text in texts]
     for index, ids in enumerate(token_ids):
         (inputs.check_score_input if is_score else inputs.check_classify_input)(ids, index)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import MoEPolicy
 from moe_serve.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -72,7 +73,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "moe": (None,),  # adaptive policies: not yet
     # Fields of the completions request that chat requests do not implement.
     "best_of": (None, 1),
     "echo": (None, False),
@@ -103,6 +103,21 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class MoEPolicyRequest(BaseModel):
+    """moe-serve's `moe`: an adaptive k policy (moe_serve.moe_policy.MoEPolicy, which checks the same ranges
+    and min <= max; errors name `moe.<field>`)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field would otherwise change nothing, silently
+
+    policy: Literal["top_p"]
+    p: Annotated[Finite, Field(gt=0, le=1)]
+    min: Annotated[StrictInt, Field(ge=1)] | None = None
+    max: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    def to_policy(self) -> MoEPolicy:
+        return MoEPolicy(self.policy, self.p, self.min, self.max)
 
 
 class _SamplingFields(_Request):
@@ -138,6 +153,7 @@ class _SamplingFields(_Request):
     ) = None
     # --- vLLM's extensions, and moe-serve's (OpenAI clients send them through extra_body) ---
     experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    moe: MoEPolicyRequest | None = None
     top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[Finite, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
@@ -165,7 +181,8 @@ class _SamplingFields(_Request):
             given["max_tokens"] = 1
         if self.stop is not None:
             given["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return SamplingParams(**given, logprobs=logprobs, experts_per_token=self.experts_per_token)
+        moe = self.moe.to_policy() if self.moe is not None else None
+        return SamplingParams(**given, logprobs=logprobs, experts_per_token=self.experts_per_token, moe=moe)
 
 
 _SAMPLING_FIELDS = (
@@ -241,12 +258,14 @@ class ClassifyRequest(_Request):
     model: Text | None = None
     input: Text | list[Text]
     experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    moe: MoEPolicyRequest | None = None
 
 
 class ScoreRequest(_Request):
     model: Text | None = None
     input: Text | list[Text]
     experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    moe: MoEPolicyRequest | None = None
     return_token_logprobs: StrictBool = False
 
 
@@ -275,12 +294,30 @@ class DetokenizeRequest(_Request):
 # ---- responses ----------------------------------------------------------------------------------
 
 
+class LayerExperts(BaseModel):
+    layer: int  # the MoE layer's index in the model
+    mean: float  # experts per token in that layer
+
+
+class ExpertsDetails(BaseModel):
+    """With a `moe` policy: the policy as resolved against the model, and the mean k of each MoE layer."""
+
+    policy: str
+    p: float
+    min: int
+    max: int
+    per_layer: list[LayerExperts]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
-    experts_per_token: int | None  # the k used (None: a dense model)
+    experts_per_token: int | None  # the fixed k used (None: a dense model, or a `moe` policy)
     approximate: bool | None = None  # soft_merge with k < N
+    # Mean experts per token over the tokens computed and every MoE layer (k for a fixed k; None: dense).
+    experts_per_token_mean: float | None = None
+    experts_per_token_details: ExpertsDetails | None = None  # with a `moe` policy
 
 
 class CompletionLogprobs(BaseModel):

@@ -1,5 +1,6 @@
 """Engine results -> API response bodies (whole responses and streaming chunks), the same for HTTP and
-batch files. Every response reports the k it used in `usage`, and `approximate` where it applies."""
+batch files. Every response reports the k it used in `usage` (under a `moe` policy, the mean k and its
+per-layer details), and `approximate` where it applies."""
 
 from __future__ import annotations
 
@@ -11,17 +12,42 @@ from typing import Any
 from moe_serve.api import protocol as p
 from moe_serve.api.prepare import GenerationJob, PoolingJob
 from moe_serve.engine.async_engine import SequenceUpdate
-from moe_serve.outputs import ClassificationOutput, CompletionOutput, RequestOutput, ScoreOutput
+from moe_serve.moe_policy import KSpec
+from moe_serve.outputs import ClassificationOutput, CompletionOutput, ExpertCounts, RequestOutput, ScoreOutput
 from moe_serve.tokenizer import Tokenizer
 
 
-def usage(prompt_tokens: int, completion_tokens: int, k: int | None, approximate: bool | None = None) -> p.Usage:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    k: int | None,
+    approximate: bool | None = None,
+    *,
+    spec: KSpec | None = None,
+    experts: ExpertCounts | None = None,
+) -> p.Usage:
+    """`spec` and `experts`: the request's k spec and what its tokens took, for the mean k (and, under a
+    `moe` policy, the per-layer details)."""
+    mean = experts.mean if experts is not None else None
+    if mean is None and k is not None:
+        mean = float(k)  # a fixed k, nothing counted (every token took k)
+    details = None
+    if spec is not None and spec.adaptive and experts is not None:
+        details = p.ExpertsDetails(
+            policy=spec.policy,
+            p=spec.top_p,  # type: ignore[arg-type]  # adaptive: set
+            min=spec.lowest,
+            max=spec.k,
+            per_layer=[p.LayerExperts(layer=layer, mean=m) for layer, m in experts.layer_means().items()],
+        )
     return p.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         experts_per_token=k,
         approximate=approximate,
+        experts_per_token_mean=mean,
+        experts_per_token_details=details,
     )
 
 
@@ -125,9 +151,10 @@ def completion_response(
             choice = completion_choice(tokenizer, job, request.prompt_token_ids, prompt_index * n + i, out, score)
             choices.append(choice)
     completion_tokens = sum(r.num_generated_tokens for r in results or [])
-    body = p.CompletionResponse(
-        model=model, choices=choices, usage=usage(job.prompt_tokens, completion_tokens, job.reported_k)
-    )
+    # The echoed prompts' scoring ran at the same k spec: its tokens count too.
+    experts = ExpertCounts.total([r.experts for r in results or []] + [s.experts for s in prompt_scores or []])
+    totals = usage(job.prompt_tokens, completion_tokens, job.reported_k, spec=job.k, experts=experts)
+    body = p.CompletionResponse(model=model, choices=choices, usage=totals)
     if response_id is not None:
         body.id = response_id
     return body
@@ -145,7 +172,7 @@ def chat_response(
         )
         for out in result.outputs
     ]
-    totals = usage(job.prompt_tokens, result.num_generated_tokens, job.reported_k)
+    totals = usage(job.prompt_tokens, result.num_generated_tokens, job.reported_k, spec=job.k, experts=result.experts)
     body = p.ChatCompletionResponse(model=model, choices=choices, usage=totals)
     if response_id is not None:
         body.id = response_id
@@ -154,9 +181,9 @@ def chat_response(
 
 def classify_response(model: str, job: PoolingJob, results: list[ClassificationOutput]) -> p.ClassifyResponse:
     data = [p.Classification(index=i, label=r.label, probs=r.probs) for i, r in enumerate(results)]
-    return p.ClassifyResponse(
-        model=model, data=data, usage=usage(job.prompt_tokens, 0, job.reported_k, job.approximate)
-    )
+    experts = ExpertCounts.total(r.experts for r in results)
+    totals = usage(job.prompt_tokens, 0, job.reported_k, job.approximate, spec=job.k, experts=experts)
+    return p.ClassifyResponse(model=model, data=data, usage=totals)
 
 
 def score_response(model: str, job: PoolingJob, results: list[ScoreOutput]) -> p.ScoreResponse:
@@ -171,7 +198,9 @@ def score_response(model: str, job: PoolingJob, results: list[ScoreOutput]) -> p
         )
         for i, r in enumerate(results)
     ]
-    return p.ScoreResponse(model=model, data=data, usage=usage(job.prompt_tokens, 0, job.reported_k))
+    experts = ExpertCounts.total(r.experts for r in results)
+    totals = usage(job.prompt_tokens, 0, job.reported_k, spec=job.k, experts=experts)
+    return p.ScoreResponse(model=model, data=data, usage=totals)
 
 
 # ---- streaming --------------------------------------------------------------------------------------

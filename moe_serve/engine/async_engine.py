@@ -22,9 +22,11 @@ from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import EngineOverloadedError, EngineStoppedError
+from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import (
     ClassificationOutput,
     CompletionOutput,
+    ExpertCounts,
     RequestMetrics,
     RequestOutput,
     ScoreOutput,
@@ -53,6 +55,7 @@ class RequestUpdate:
     updates: list[SequenceUpdate]
     finished: bool
     metrics: RequestMetrics | None = None  # timings, once finished
+    experts: ExpertCounts | None = None  # experts its tokens took (all completions), once finished
 
 
 @dataclass(slots=True)
@@ -74,7 +77,7 @@ class _Submission:
     stream: _Stream
     request: GenerationRequest | None = None  # generation
     token_ids: list[list[int]] | None = None  # scoring or classification
-    k: int = 0
+    k: int | KSpec = 0
     kind: SequenceKind = SequenceKind.GENERATE
     top_logprobs: int = 0  # scoring: alternatives per position
 
@@ -129,7 +132,7 @@ class GenerationStream:
         """Read the stream to its end: every completion, whole."""
         request = self.request
         outputs = [CompletionOutput(i, "", [], None, [], []) for i in range(request.params.n)]
-        metrics = None
+        metrics = experts = None
         async for update in self:
             for u in update.updates:
                 out = outputs[u.index]
@@ -139,9 +142,11 @@ class GenerationStream:
                 out.top_logprobs += u.top_logprobs  # type: ignore[operator]
                 out.finish_reason = u.finish_reason or out.finish_reason
             if update.finished:
-                metrics = update.metrics
+                metrics, experts = update.metrics, update.experts
         reported_k = self._engine.engine.model_config.reported_k(request.k)
-        return RequestOutput(self._submission.request_id, None, request.prompt_token_ids, outputs, reported_k, metrics)
+        return RequestOutput(
+            self._submission.request_id, None, request.prompt_token_ids, outputs, reported_k, metrics, experts
+        )
 
 
 class AsyncEngine:
@@ -224,19 +229,19 @@ class AsyncEngine:
 
     # ---- classification and scoring -------------------------------------------------------------
 
-    async def classify(self, token_ids: list[list[int]], k: int) -> list[ClassificationOutput]:
+    async def classify(self, token_ids: list[list[int]], k: int | KSpec) -> list[ClassificationOutput]:
         seqs = await self._pool(token_ids, k, SequenceKind.CLASSIFY)
         return [pooling.classification_output(self.engine.model_config, seq) for seq in seqs]
 
     async def score(
-        self, token_ids: list[list[int]], k: int, keep_token_logprobs: bool = False, top_logprobs: int = 0
+        self, token_ids: list[list[int]], k: int | KSpec, keep_token_logprobs: bool = False, top_logprobs: int = 0
     ) -> list[ScoreOutput]:
         seqs = await self._pool(token_ids, k, SequenceKind.SCORE, top_logprobs)
         config, tokenizer = self.engine.model_config, self.engine.tokenizer
         return [pooling.score_output(config, tokenizer, seq, keep_token_logprobs) for seq in seqs]
 
     async def _pool(
-        self, token_ids: list[list[int]], k: int, kind: SequenceKind, top_logprobs: int = 0
+        self, token_ids: list[list[int]], k: int | KSpec, kind: SequenceKind, top_logprobs: int = 0
     ) -> list[Sequence]:
         """Inputs run through the engine's steps like prompts; their sequences once all are finished."""
         work = {"token_ids": token_ids, "k": k, "kind": kind, "top_logprobs": top_logprobs}
@@ -359,8 +364,12 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 self.engine.release(request_id)
             if updates or finished:
-                metrics = _request_metrics(stream.seqs) if finished else None
-                stream.put(RequestUpdate(request_id, updates, finished, metrics))
+                metrics = experts = None
+                if finished:
+                    metrics = _request_metrics(stream.seqs)
+                    layers = self.engine.model_config.moe_layers
+                    experts = ExpertCounts.total(s.experts(layers) for s in stream.seqs) if layers else None
+                stream.put(RequestUpdate(request_id, updates, finished, metrics, experts))
 
     def _delta(self, stream: _Stream, index: int, seq: Sequence) -> SequenceUpdate | None:
         if stream.reported_finish[index]:

@@ -1,4 +1,4 @@
-"""Request inputs checked against one model and engine: the request's k, text -> token ids, and the
+"""Request inputs checked against one model and engine: the request's k (or k policy), text -> token ids, and the
 limits a generation request must fit. The one place these are validated: the API layer calls it once on
 the way in and the engine trusts what it returns (re-checking only cheap invariants)."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_serve.errors import ValidationError
+from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
+from moe_serve.moe_policy import KSpec, MoEPolicy
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.validation import check_int
@@ -46,6 +48,33 @@ class InputProcessor:
         check_int("experts_per_token", value, moe.min_k, moe.max_k)
         return value
 
+    def resolve(self, experts_per_token: int | None, policy: MoEPolicy | None) -> KSpec:
+        """The request's k spec: a fixed k (resolve_k), or a top-p policy checked against the model (its
+        router kind must define top-p; min and max default to, and must lie in, the model's k range)."""
+        if policy is None:
+            return KSpec(self.resolve_k(experts_per_token))
+        if experts_per_token is not None:  # SamplingParams says so too; classify and score come here directly
+            raise ValidationError(
+                "give either experts_per_token (a fixed k) or moe (a policy choosing k per token), not both",
+                parameter="moe",
+            )
+        moe = self.config.moe
+        if moe is None:
+            raise ValidationError(f"moe was given but model '{self.name}' has no MoE layers", parameter="moe")
+        if not router_class(moe.router.kind).top_p_defined:
+            raise ValidationError(
+                f"moe.policy {policy.policy} is not defined for router kind {moe.router.kind} (model '{self.name}'): "
+                "it needs a router that picks each token's experts by its own router probabilities",
+                parameter="moe.policy",
+            )
+        low = policy.min if policy.min is not None else moe.min_k
+        high = policy.max if policy.max is not None else moe.max_k
+        check_int("moe.min", low, moe.min_k, moe.max_k)
+        check_int("moe.max", high, moe.min_k, moe.max_k)
+        if low > high:
+            raise ValidationError(f"moe.min ({low}) must not be greater than moe.max ({high})", parameter="moe.min")
+        return KSpec(high, policy.p, low)
+
     @property
     def max_text_chars(self) -> int:
         """No text longer than this can fit the context, whatever its tokens."""
@@ -82,8 +111,8 @@ class InputProcessor:
             raise ValidationError(f"{parameter} token ids must be integers in 0..{vocab - 1}", parameter=parameter)
         return list(token_ids)
 
-    def check_generation(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Validate a generation request; returns its k. Pure: safe from any thread."""
+    def check_generation(self, prompt_token_ids: list[int], params: SamplingParams) -> KSpec:
+        """Validate a generation request; returns its k spec. Pure: safe from any thread."""
         self.check_token_ids(prompt_token_ids, "prompt")
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if any(token_id >= self.config.vocab_size for token_id in ids):
@@ -91,7 +120,7 @@ class InputProcessor:
                     f"{name} names a token id outside this model's vocabulary (0..{self.config.vocab_size - 1})",
                     parameter=name,
                 )
-        k = self.resolve_k(params.experts_per_token)
+        k = self.resolve(params.experts_per_token, params.moe)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValidationError(
                 f"prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} tokens "
@@ -141,4 +170,4 @@ class GenerationRequest:
 
     prompt_token_ids: list[int]
     params: SamplingParams
-    k: int  # experts per token, resolved against the model's range
+    k: KSpec  # experts per token, resolved against the model's range

@@ -24,6 +24,7 @@ from moe_serve.engine.sampler import sample
 from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import SamplingParams
 
 CALIBRATION_TOKENS = 512  # the longer of the two timed dummy prompts at start-up
@@ -107,16 +108,22 @@ class LLMEngine:
         return self._queue(request_id, seqs)
 
     def add_inputs(
-        self, request_id: str, token_ids: list[list[int]], k: int, kind: SequenceKind, top_logprobs: int = 0
+        self, request_id: str, token_ids: list[list[int]], k: int | KSpec, kind: SequenceKind, top_logprobs: int = 0
     ) -> list[Sequence]:
         """Queue inputs to score (log-likelihood of each token, and the `top_logprobs` most likely tokens at
-        each position when asked) or classify, all at one k."""
+        each position when asked) or classify, all at one k (or k spec, resolved by engine.inputs)."""
         params = SamplingParams(max_tokens=1, logprobs=top_logprobs or None)
         seqs = [self._new(request_id, i, ids, k, kind, params) for i, ids in enumerate(token_ids)]
         return self._queue(request_id, seqs)
 
     def _new(
-        self, request_id: str, index: int, token_ids: list[int], k: int, kind: SequenceKind, params: SamplingParams
+        self,
+        request_id: str,
+        index: int,
+        token_ids: list[int],
+        k: int | KSpec,
+        kind: SequenceKind,
+        params: SamplingParams,
     ) -> Sequence:
         seq = Sequence(request_id, index, list(token_ids), len(token_ids), k, kind, params)
         seq.arrival_time = time.monotonic()
@@ -167,6 +174,8 @@ class LLMEngine:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = started
         result, failed = self._execute(output)
+        for i, (tokens, per_layer) in result.experts.items():
+            output.scheduled[i].seq.add_experts(tokens, per_layer)
         self.scheduler.update(output)
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
@@ -216,6 +225,8 @@ class LLMEngine:
                 merged.prompt_top_logprobs[i] = alone.prompt_top_logprobs.get(0, [])
             if alone.class_probs:
                 merged.class_probs[i] = alone.class_probs[0]
+            if alone.experts:
+                merged.experts[i] = alone.experts[0]
         merged.logits = torch.cat(logits) if logits else None
         return merged, failed
 

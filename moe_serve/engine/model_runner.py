@@ -17,8 +17,9 @@ from moe_serve.engine.kv_cache import CacheShape, KVCache
 from moe_serve.engine.scheduler import SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels.ops import AttentionBatch
-from moe_serve.layers.batch import ForwardBatch
+from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.models import MoETransformer
+from moe_serve.moe_policy import KSpec
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class StepResult:
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)  # SCORE: log p of the chunk's next tokens
     prompt_top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # SCORE: alternatives
     class_probs: dict[int, list[float]] = field(default_factory=dict)  # CLASSIFY
+    experts: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # (tokens, experts per MoE layer)
 
 
 class Runner(Protocol):
@@ -50,53 +52,54 @@ class TorchRunner:
         self.cache = KVCache(model.config, cache_shape, device, dtype) if model.config.is_causal else None
 
     def execute(self, output: SchedulerOutput) -> StepResult:
-        hidden, lens = self.forward(output)
-        return self._results(output, hidden, lens)
+        hidden, lens, batch = self.forward(output)
+        result = self._results(output, hidden, lens)
+        result.experts = self._experts(output, batch)
+        return result
 
     @torch.inference_mode()
-    def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """The step's tokens through the model: hidden states [T, D] and the tokens of each sequence."""
+    def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...], ForwardBatch]:
+        """The step's tokens through the model: hidden states [T, D], the tokens of each sequence, and the
+        batch the layers read (under a top-p policy, with the experts they counted)."""
         items = output.scheduled
         uses_cache = items[0].seq.uses_kv_cache
         assert all(item.seq.uses_kv_cache == uses_cache for item in items), (
             "a step never mixes cached and encoder inputs"
         )
-        token_ids, positions, seq_ids, slots, ks = [], [], [], [], []
+        token_ids, positions, seq_ids, slots = [], [], [], []
         block_size = self.cache.shape.block_size if self.cache is not None else 0
         for s, item in enumerate(items):
             seq = item.seq
             token_ids += seq.token_ids[item.start : item.end]
             positions += range(item.start, item.end)
             seq_ids += [s] * item.num_tokens
-            ks += [seq.k] * item.num_tokens
             if uses_cache:
                 table = seq.block_table
                 slots += [table[p // block_size] * block_size + p % block_size for p in range(item.start, item.end)]
         lens = tuple(item.num_tokens for item in items)
         num_keys = tuple(item.end if uses_cache else item.num_tokens for item in items)
         batch = self._batch(
-            token_ids,
             positions,
             seq_ids,
-            ks,
+            [item.seq.spec for item in items],
             lens,
             num_keys,
             [item.seq.block_table for item in items] if uses_cache else None,
             slots,
         )
-        return self.model(torch.tensor(token_ids, device=self.device), batch), lens  # [T, D]
+        return self.model(torch.tensor(token_ids, device=self.device), batch), lens, batch  # [T, D]
 
     def _batch(
         self,
-        token_ids: list[int],
         positions: list[int],
         seq_ids: list[int],
-        ks: list[int],
+        specs: list[KSpec],
         lens: tuple[int, ...],
         num_keys: tuple[int, ...],
         block_tables: list[list[int]] | None,
         slots: list[int],
     ) -> ForwardBatch:
+        """specs: each sequence's k spec, applied to all of its tokens."""
         device = self.device
         starts, offset = [], 0
         for n in lens:
@@ -120,7 +123,34 @@ class TorchRunner:
         caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
         states = self.cache.router_states if caches is not None else None
         block_size = self.cache.shape.block_size if self.cache is not None else 0
-        return ForwardBatch(attention, torch.tensor(ks, device=device), max(ks), caches, states, block_size)
+        per_token = torch.tensor(lens, device=device)
+
+        def tokens(values: list, dtype: torch.dtype) -> torch.Tensor:
+            # output_size: no device-to-host read to size the result
+            return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(per_token, output_size=offset)
+
+        adaptive = None
+        if any(spec.adaptive for spec in specs):
+            adaptive = AdaptiveK(
+                cut=tokens([spec.cut for spec in specs], torch.float32),
+                min_k=tokens([spec.lowest for spec in specs], torch.int64),
+                experts_used=torch.zeros(self.config.num_layers, len(specs), dtype=torch.int64, device=device),
+            )
+        top_k = tokens([spec.k for spec in specs], torch.int64)
+        return ForwardBatch(attention, top_k, max(spec.k for spec in specs), caches, states, block_size, adaptive)
+
+    def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int]]]:
+        """Experts each scheduled sequence's tokens took in this step, per MoE layer: counted on the device
+        under a top-p policy (one read per step), k per token otherwise."""
+        layers = self.config.moe_layers
+        if not layers:
+            return {}
+        if batch.adaptive_k is None:
+            return {
+                i: (it.num_tokens, [it.seq.k * it.num_tokens] * len(layers)) for i, it in enumerate(output.scheduled)
+            }
+        used = batch.adaptive_k.experts_used[list(layers)].T.tolist()  # [S][L]
+        return {i: (it.num_tokens, used[i]) for i, it in enumerate(output.scheduled)}
 
     @torch.inference_mode()
     def _results(self, output: SchedulerOutput, hidden: torch.Tensor, lens: tuple[int, ...]) -> StepResult:
@@ -171,14 +201,15 @@ class TorchRunner:
     # ---- whole sequences without a cache (tests, fold proofs, classify outside the engine) ---------
 
     @torch.inference_mode()
-    def forward_sequences(self, token_ids: list[list[int]], ks: list[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Each sequence whole, packed, no cache -> (hidden [T, D], lengths)."""
+    def forward_sequences(
+        self, token_ids: list[list[int]], ks: list[int] | list[KSpec]
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Each sequence whole, packed, no cache, at its k (or k spec) -> (hidden [T, D], lengths)."""
         lens = tuple(len(t) for t in token_ids)
         flat = [t for seq in token_ids for t in seq]
         positions = [p for n in lens for p in range(n)]
         seq_ids = [s for s, n in enumerate(lens) for _ in range(n)]
-        per_token_k = [k for k, n in zip(ks, lens, strict=True) for _ in range(n)]
-        batch = self._batch(flat, positions, seq_ids, per_token_k, lens, lens, None, [])
+        batch = self._batch(positions, seq_ids, [KSpec.of(k) for k in ks], lens, lens, None, [])
         return self.model(torch.tensor(flat, device=self.device), batch), lens
 
     def forward_padded(self, token_ids: list[list[int]], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

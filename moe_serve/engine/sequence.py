@@ -12,6 +12,8 @@ from enum import Enum
 
 import torch
 
+from moe_serve.moe_policy import KSpec
+from moe_serve.outputs import ExpertCounts
 from moe_serve.sampling_params import SamplingParams
 
 
@@ -33,7 +35,7 @@ class Sequence:
     index: int  # which completion of its request
     token_ids: list[int]  # the prompt, then the generated tokens
     num_prompt_tokens: int
-    k: int  # experts per token
+    routing: KSpec | int  # experts per token: a fixed k or a top-p policy (an int is a fixed k)
     kind: SequenceKind = SequenceKind.GENERATE
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
@@ -56,6 +58,34 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Experts its computed tokens took, per MoE layer (ExpertCounts), added by the engine after each step.
+    expert_tokens: int = 0
+    experts_per_layer: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.routing = KSpec.of(self.routing)
+
+    @property
+    def k(self) -> int:
+        """The most experts a token may take (its fixed k, or its policy's max)."""
+        return self.routing.k  # type: ignore[union-attr]  # a KSpec after __post_init__
+
+    @property
+    def spec(self) -> KSpec:
+        return self.routing  # type: ignore[return-value]
+
+    def add_experts(self, tokens: int, per_layer: list[int]) -> None:
+        self.expert_tokens += tokens
+        if not self.experts_per_layer:
+            self.experts_per_layer = [0] * len(per_layer)
+        self.experts_per_layer = [a + b for a, b in zip(self.experts_per_layer, per_layer, strict=True)]
+
+    def experts(self, moe_layers: tuple[int, ...]) -> ExpertCounts | None:
+        """What its tokens took so far (None for a model without MoE layers)."""
+        if not moe_layers:
+            return None
+        per_layer = self.experts_per_layer or [0] * len(moe_layers)
+        return ExpertCounts(self.expert_tokens, tuple(zip(moe_layers, per_layer, strict=True)))
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +105,8 @@ class Sequence:
 
     @property
     def cache_salt(self) -> int:
-        """What else than the tokens the cached keys and values depend on: the request's k."""
-        return hash(("k", self.k))
+        """What else than the tokens the cached keys and values depend on: the request's k spec."""
+        return hash(("k", self.routing))
 
     @property
     def is_finished(self) -> bool:

@@ -77,6 +77,19 @@ def topk_route_torch(
     return topk_ids.masked_fill(~used, -1), weights
 
 
+def top_p_k(
+    logits: torch.Tensor, cut: torch.Tensor, min_k: torch.Tensor, top_k: torch.Tensor, max_k: int
+) -> torch.Tensor:
+    """Each row's k under top-p: the fewest experts, largest router probability first, whose full-softmax
+    probabilities sum (fp32, in that order) to at least cut [R], clamped to [min_k, top_k] -> [R], the dtype
+    of top_k. A row with cut = inf keeps top_k. The router's own mode then weighs the k chosen, exactly
+    as for a request with that fixed k."""
+    # Sorted values are the same whatever order ties take, so their running sum is too.
+    head = torch.topk(torch.softmax(logits, dim=-1), max_k, dim=-1).values  # [R, K]
+    short = (torch.cumsum(head, dim=-1) < cut[:, None]).sum(-1)  # [R] experts before the sum reaches cut
+    return torch.minimum(torch.maximum(short + 1, min_k), top_k).to(top_k.dtype)
+
+
 # ---- MoE experts ------------------------------------------------------------------------------------
 
 

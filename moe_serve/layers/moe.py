@@ -4,7 +4,9 @@
 Legend: T tokens of the step (packed), S sequences, N experts, K slots (the batch's largest k), D hidden.
 
 Router rules (DESIGN §3): logits in fp32; ties go to the lower expert index; no noise, no capacity limit.
-Slots beyond a token's own k get id -1 and weight 0 and are never computed.
+Slots beyond a token's own k get id -1 and weight 0 and are never computed. Under a top-p policy a token's
+k is chosen here from its router probabilities (ops.top_p_k) before the router weighs the chosen, so every
+router mode applies unchanged to whatever k a token ends up with.
 """
 
 from __future__ import annotations
@@ -67,7 +69,13 @@ class MoEBlock(nn.Module):
             state = None
             if batch.router_states:
                 state = RouterState(batch.router_states[layer], batch.attention, batch.block_size)
-            topk_ids, topk_weights = self.routing.route(self.router_logits(x), batch.top_k, batch.max_k, state)
+            logits = self.router_logits(x)
+            top_k = batch.top_k
+            if batch.adaptive_k is not None:  # only kinds with top_p_defined get here (moe_serve.engine.inputs)
+                adaptive = batch.adaptive_k
+                top_k = ops.top_p_k(logits, adaptive.cut, adaptive.min_k, top_k, batch.max_k)
+                adaptive.experts_used[layer].index_add_(0, batch.attention.seq_ids, top_k)
+            topk_ids, topk_weights = self.routing.route(logits, top_k, batch.max_k, state)
             self._count(topk_ids)
             out = ops.moe_experts(x, topk_ids, topk_weights, self._bank or self.experts.weights())
         if self.config.shared_expert is not None:

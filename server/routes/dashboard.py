@@ -36,6 +36,7 @@ async def dashboard_data(request: Request) -> dict:
             {"model": name, "dataset": row.dataset, "metric": row.metric, "k": row.k, "value": row.value}
             for name, m in ctx.models.items()
             for row in (m.artifact.quality.rows if m.artifact.quality else ())
+            if row.policy is None  # the chart draws quality at fixed k; adaptive runs are in quality.json
         ],
     }
 

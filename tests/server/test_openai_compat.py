@@ -111,7 +111,7 @@ ON_VALUES = {
     "structured_outputs": {"json": {}}, "logits_processors": ["x"],
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["audio"],
-    "prediction": {"type": "content", "content": "x"}, "moe": {"policy": "top_p", "p": 0.8}, "best_of": 2,
+    "prediction": {"type": "content", "content": "x"}, "best_of": 2,
     "echo": True,
 }  # fmt: skip
 

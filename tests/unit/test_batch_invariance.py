@@ -68,3 +68,70 @@ def test_seeded_sampling_alone_vs_in_batch(llm: LLM) -> None:
     others = [SamplingParams(max_tokens=5, temperature=0.7, experts_per_token=4) for _ in OTHER_PROMPTS]
     batched = llm.generate(OTHER_PROMPTS + [TARGET], others + [params])[-1].outputs[0].token_ids
     assert batched == alone
+
+
+POLICIES = [
+    {"policy": "top_p", "p": 0.5, "min": 1, "max": NUM_EXPERTS},
+    {"policy": "top_p", "p": 0.8, "min": 2, "max": 3},
+    {"policy": "top_p", "p": 1.0},
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["p0.5", "p0.8-min2-max3", "p1"])
+def test_top_p_request_alone_vs_with_fixed_k_and_other_policies(llm: LLM, policy: dict) -> None:
+    """A `moe` policy's tokens each take their own k; its tokens and logprobs are those it gets alone (within
+    1e-5, the contract of DESIGN §3: a fixed k is not bitwise here either), whatever fixed-k requests and other
+    policies share its batches."""
+    params = SamplingParams(max_tokens=12, temperature=0, moe=policy, logprobs=5, ignore_eos=True)
+    alone = llm.generate([TARGET], params)[0]
+    others = [
+        SamplingParams(
+            max_tokens=3 + i,
+            temperature=0 if i % 2 else 0.9,
+            seed=i,
+            **({"experts_per_token": 1 + i % NUM_EXPERTS} if i % 3 else {"moe": POLICIES[i // 3]}),
+        )
+        for i in range(len(OTHER_PROMPTS))
+    ]
+    batched = llm.generate(OTHER_PROMPTS[:3] + [TARGET] + OTHER_PROMPTS[3:], others[:3] + [params] + others[3:])[3]
+    assert batched.outputs[0].token_ids == alone.outputs[0].token_ids
+    torch.testing.assert_close(
+        torch.tensor(batched.outputs[0].logprobs), torch.tensor(alone.outputs[0].logprobs), atol=1e-5, rtol=0
+    )
+    for a, b in zip(alone.outputs[0].top_logprobs, batched.outputs[0].top_logprobs, strict=True):
+        assert a.keys() == b.keys()
+        torch.testing.assert_close(torch.tensor(list(b.values())), torch.tensor(list(a.values())), atol=1e-5, rtol=0)
+    assert alone.experts_per_token is None and alone.experts is not None
+    low, high = policy.get("min", 1), policy.get("max", NUM_EXPERTS)
+    assert low <= alone.experts.mean <= high  # type: ignore[operator]
+    if policy["p"] == 1.0:
+        assert alone.experts.mean == high
+
+
+def test_top_p_changes_k_per_token(llm: LLM) -> None:
+    """The test above could pass with the policy ignored: here it must have cut some tokens short and not
+    others (a mean strictly between min and max), and the result differs from every fixed k."""
+    params = SamplingParams(max_tokens=8, temperature=0, moe=POLICIES[0], logprobs=0, ignore_eos=True)
+    out = llm.generate([TARGET], params)[0]
+    assert 1 < out.experts.mean < NUM_EXPERTS  # type: ignore[union-attr,operator]
+    per_layer = out.experts.layer_means()  # type: ignore[union-attr]
+    assert set(per_layer) == {0, 2}
+    assert any(mean != round(mean) for mean in per_layer.values())  # tokens of one layer took different k
+    fixed = [
+        llm.generate([TARGET], SamplingParams(max_tokens=8, temperature=0, experts_per_token=k, logprobs=0))[0]
+        for k in range(1, NUM_EXPERTS + 1)
+    ]
+    assert all(f.outputs[0].logprobs != out.outputs[0].logprobs for f in fixed)
+
+
+def test_top_p_score_alone_vs_in_batch(llm: LLM) -> None:
+    """Scoring computes every token (no prefix-cache shortcut), so even the expert counts must match."""
+    policy = POLICIES[1]
+    alone = llm.score(TARGET, moe=policy, return_token_logprobs=True)[0]
+    together = llm.score(OTHER_PROMPTS + [TARGET], moe=policy, return_token_logprobs=True)[-1]
+    torch.testing.assert_close(
+        torch.tensor(together.token_logprobs), torch.tensor(alone.token_logprobs), atol=1e-5, rtol=0
+    )
+    assert together.experts == alone.experts  # every token took the same k in every layer
+    fixed = llm.score(OTHER_PROMPTS + [TARGET], experts_per_token=[1, 2, 3, 4, 1, 2, 3, 4], return_token_logprobs=True)
+    assert fixed[-1].experts.mean == 4  # type: ignore[union-attr]

@@ -51,7 +51,7 @@ def test_prefill_plus_decode_equals_full_forward(make_artifact, monkeypatch, ove
         if not items:
             break
         with torch.inference_mode():
-            hidden, lens = runner.forward(SchedulerOutput(items))
+            hidden, lens, _ = runner.forward(SchedulerOutput(items))
             logits = model.lm_logits(hidden).split(lens)
         for item, rows in zip(items, logits, strict=True):
             b = seqs.index(item.seq)

@@ -58,6 +58,10 @@ class RouterState:
 class Router(ABC):
     kind: str = ""
     per_sequence: bool = False  # one decision per whole input: the MoE block routes its pooled mean
+    # Whether a top-p policy (moe_serve.moe_policy) is defined for the kind: it picks each token's experts
+    # by the full softmax of its own router logits, largest first, so "experts in order of router
+    # probability" is its own order. Off unless a kind says so: requests with a policy are then refused.
+    top_p_defined: bool = False
 
     def __init__(self, config: RouterConfig, num_experts: int) -> None:
         self.config = config

@@ -1,6 +1,7 @@
 """`soft_merge` (SMEAR): one decision per input from its masked mean; the expert applied to every token is
 the probability-weighted average of the chosen experts' parameters. k = N is exact SMEAR; k < N merges
-the top-k experts with renormalised weights (an approximation, flagged in responses)."""
+the top-k experts with renormalised weights (an approximation, flagged in responses). Top-p is not defined
+for it: one decision per input, not per token, and SMEAR's exact method merges every expert."""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from moe_serve.layers.routers.base import Router, RouterState, register
 
 @register("topk_uniform")
 class TopKUniform(Router):
+    top_p_defined = True
+
     def route(
         self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
