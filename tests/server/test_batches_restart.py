@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.server.conftest import free_port
+from tests.server.test_batches_api import wait
 
 NUM_LINES = 200
 BODY = {"model": "tiny-lm", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -43,16 +44,6 @@ def start(model: Path, port: int, data_dir: Path, log: Path) -> subprocess.Popen
     raise AssertionError(f"the server did not start: {log.read_text()}")
 
 
-def poll(sdk: openai.OpenAI, batch_id: str, until, timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = sdk.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        time.sleep(0.02)
-    raise AssertionError(f"batch {batch_id}: {batch.status}, {batch.request_counts}")
-
-
 @pytest.mark.slow
 def test_a_batch_resumes_after_kill_9_with_nothing_lost_or_duplicated(artifacts, tmp_path: Path) -> None:
     port, data_dir, log = free_port(), tmp_path / "data", tmp_path / "server.log"
@@ -67,7 +58,7 @@ def test_a_batch_resumes_after_kill_9_with_nothing_lost_or_duplicated(artifacts,
     try:
         file_id = sdk.files.create(file=("in.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch").id
         batch_id = sdk.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h").id
-        before = poll(sdk, batch_id, lambda b: b.request_counts.completed >= 20)
+        before = wait(sdk, batch_id, lambda b: b.request_counts.completed >= 20, timeout=180)
         os.kill(server.pid, signal.SIGKILL)
         server.wait(timeout=30)
         killed_at = int(time.time())
@@ -78,7 +69,7 @@ def test_a_batch_resumes_after_kill_9_with_nothing_lost_or_duplicated(artifacts,
     time.sleep(1.1)  # answers given after the restart carry a later `created` second than any before the kill
     server = start(artifacts["lm"], port, data_dir, log)
     try:
-        batch = poll(sdk, batch_id, lambda b: b.status in ("completed", "failed", "expired", "cancelled"))
+        batch = wait(sdk, batch_id, timeout=180)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed) == (NUM_LINES, NUM_LINES)
         assert batch.error_file_id is None
