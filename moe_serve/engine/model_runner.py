@@ -31,7 +31,7 @@ class StepResult:
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)  # SCORE: log p of the chunk's next tokens
     prompt_top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # SCORE: alternatives
     class_probs: dict[int, list[float]] = field(default_factory=dict)  # CLASSIFY
-    experts: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # (tokens, experts per MoE layer)
+    experts: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)  # (tokens, experts per MoE layer)
 
 
 class Runner(Protocol):
@@ -139,16 +139,15 @@ class TorchRunner:
         top_k = tokens([spec.k for spec in specs], torch.int64)
         return ForwardBatch(attention, top_k, max(spec.k for spec in specs), caches, states, block_size, adaptive)
 
-    def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int]]]:
-        """Experts each scheduled sequence's tokens took in this step, per MoE layer: counted on the device
-        under a top-p policy (one read per step), k per token otherwise."""
+    def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int] | None]]:
+        """Tokens each scheduled sequence computed in this step and, when a top-p policy ran, the experts
+        they took per MoE layer (counted on the device, one read per step); a fixed k's follow from its
+        tokens, so a step without a policy counts nothing more."""
         layers = self.config.moe_layers
         if not layers:
             return {}
         if batch.adaptive_k is None:
-            return {
-                i: (it.num_tokens, [it.seq.k * it.num_tokens] * len(layers)) for i, it in enumerate(output.scheduled)
-            }
+            return {i: (it.num_tokens, None) for i, it in enumerate(output.scheduled)}
         used = batch.adaptive_k.experts_used[list(layers)].T.tolist()  # [S][L]
         return {i: (it.num_tokens, used[i]) for i, it in enumerate(output.scheduled)}
 

@@ -58,7 +58,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
-    # Experts its computed tokens took, per MoE layer (ExpertCounts), added by the engine after each step.
+    # Tokens it computed and, under a policy, the experts they took per MoE layer: added after each step.
     expert_tokens: int = 0
     experts_per_layer: list[int] = field(default_factory=list)
 
@@ -74,8 +74,12 @@ class Sequence:
     def spec(self) -> KSpec:
         return self.routing  # type: ignore[return-value]
 
-    def add_experts(self, tokens: int, per_layer: list[int]) -> None:
+    def add_experts(self, tokens: int, per_layer: list[int] | None) -> None:
+        """A step's count: its tokens, and under a policy the experts they took per MoE layer (a fixed k's
+        follow from the tokens: see `experts`)."""
         self.expert_tokens += tokens
+        if per_layer is None or not self.spec.adaptive:
+            return
         if not self.experts_per_layer:
             self.experts_per_layer = [0] * len(per_layer)
         self.experts_per_layer = [a + b for a, b in zip(self.experts_per_layer, per_layer, strict=True)]
@@ -84,7 +88,10 @@ class Sequence:
         """What its tokens took so far (None for a model without MoE layers)."""
         if not moe_layers:
             return None
-        per_layer = self.experts_per_layer or [0] * len(moe_layers)
+        if self.spec.adaptive:
+            per_layer = self.experts_per_layer or [0] * len(moe_layers)
+        else:
+            per_layer = [self.k * self.expert_tokens] * len(moe_layers)
         return ExpertCounts(self.expert_tokens, tuple(zip(moe_layers, per_layer, strict=True)))
 
     @property
