@@ -15,17 +15,20 @@ from moe_serve.server.app import create_app
 from moe_serve.server.settings import ServerSettings
 
 
-@pytest.fixture(scope="module")
-def app(artifacts) -> Iterator[object]:
+def inprocess_app(*models: str) -> Iterator[object]:
+    """The app serving `models` (small limits), its engines shut down afterwards: a fixture's body."""
     settings = ServerSettings(
-        models=(str(artifacts["lm"]), str(artifacts["clf"])),
-        limits=RequestLimits(max_tokens_cap=64),
-        engine=EngineConfig(max_num_seqs=8),
+        models=models, limits=RequestLimits(max_tokens_cap=64), engine=EngineConfig(max_num_seqs=8)
     )
     app = create_app(settings)
     yield app
     for served in app.state.ctx.models.values():
         served.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(artifacts) -> Iterator[object]:
+    yield from inprocess_app(str(artifacts["lm"]), str(artifacts["clf"]))
 
 
 def call(app, method: str, path: str, **kwargs) -> httpx.Response:

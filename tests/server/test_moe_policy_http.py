@@ -7,13 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.model_config import RouterConfig
-from moe_serve.server.app import create_app
-from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, moe_config
-from tests.server.test_http_inprocess import call, sse_events
+from tests.server.test_http_inprocess import call, inprocess_app, sse_events
 
 POLICY = {"policy": "top_p", "p": 0.6, "min": 1, "max": 3}
 
@@ -22,15 +19,7 @@ POLICY = {"policy": "top_p", "p": 0.6, "min": 1, "max": 3}
 def app(artifacts, tmp_path_factory) -> Iterator[object]:
     topk = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
     clf_topk = create_random_artifact(tmp_path_factory.mktemp("policy") / "tiny-clf-topk", topk, seed=23)
-    settings = ServerSettings(
-        models=(str(artifacts["lm"]), str(artifacts["clf"]), str(clf_topk)),
-        limits=RequestLimits(max_tokens_cap=64),
-        engine=EngineConfig(max_num_seqs=8),
-    )
-    app = create_app(settings)
-    yield app
-    for served in app.state.ctx.models.values():
-        served.engine.shutdown()
+    yield from inprocess_app(str(artifacts["lm"]), str(artifacts["clf"]), str(clf_topk))
 
 
 BAD = {
