@@ -4,8 +4,9 @@ generates exactly `new_tokens` tokens (EOS ignored); one warm-up run precedes th
 
     python -m benchmarks.engines ENGINE MODEL_DIR --batches 1,16,64 --ks 2 --reps 3 [--threads 2]
 
-ENGINE: moe-serve (MODEL_DIR is an artifact), hf or vllm / vllm-eager (MODEL_DIR is the Hugging Face
-checkpoint). Prints one JSON document: {"<k>": {"<batch>": [tok/s of each rep]}}.
+ENGINE: moe-serve or moe-serve-onnx (its onnxruntime backend; MODEL_DIR is an artifact), hf or vllm /
+vllm-eager (MODEL_DIR is the Hugging Face checkpoint). Prints one JSON document:
+{"<k>": {"<batch>": [tok/s of each rep]}}.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from collections.abc import Callable
 Runner = Callable[[list[list[int]], int], None]  # (prompts, k) -> generate new_tokens for each
 
 
-def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int) -> Runner:
+def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int, backend: str = "torch") -> Runner:
     from moe_serve import LLM, EngineConfig, SamplingParams
 
-    llm = LLM(model_dir, EngineConfig(max_num_seqs=max_batch))
+    llm = LLM(model_dir, EngineConfig(max_num_seqs=max_batch, backend=backend))
 
     def run(prompts: list[list[int]], k: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)
@@ -102,7 +103,7 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", choices=["moe-serve", "hf", "vllm", "vllm-eager"])
+    parser.add_argument("engine", choices=["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager"])
     parser.add_argument("model_dir")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--ks", default="2")
@@ -114,12 +115,14 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    if args.engine in ("moe-serve", "hf"):
+    if args.engine in ("moe-serve", "moe-serve-onnx", "hf"):
         import torch
 
         torch.set_num_threads(args.threads)
     if args.engine == "moe-serve":
         run = moe_serve_runner(args.model_dir, args.new_tokens, max(batches))
+    elif args.engine == "moe-serve-onnx":  # onnxruntime uses every core by default, as here
+        run = moe_serve_runner(args.model_dir, args.new_tokens, max(batches), backend="onnxruntime")
     elif args.engine == "hf":
         run = hf_runner(args.model_dir, args.new_tokens, max(batches))
     else:

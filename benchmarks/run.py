@@ -38,7 +38,7 @@ def run_worker(
     engine: str, model: BenchModel, batches: list[int], ks: list[int], reps: int, new_tokens: int, timeout: int
 ) -> dict | str:
     """{k: {batch: [tok/s ...]}}, or the reason it could not run."""
-    model_dir = model.artifact if engine == "moe-serve" else model.hf_dir
+    model_dir = model.artifact if engine.startswith("moe-serve") else model.hf_dir
     command = [
         sys.executable,
         "-m",

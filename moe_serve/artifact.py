@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -26,6 +26,9 @@ from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # onnxruntime is an extra, imported only when a graph is opened
+    from moe_serve.onnx_model import OnnxModel
 
 FORMAT = "moe-serve"
 FORMAT_VERSION = 1
@@ -39,14 +42,16 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 @dataclass(slots=True)
 class Artifact:
-    """A loaded artifact: the model (eval mode, on its device) and everything needed to serve it."""
+    """A loaded artifact: the model (eval mode, on its device) and everything needed to serve it. Served by
+    onnxruntime (moe_serve.engine.backend), `model` is None and `onnx` is the opened graph instead."""
 
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
-    model: MoETransformer
+    model: MoETransformer | None
     provenance: dict[str, Any] = field(default_factory=dict)
     quality: QualityTable | None = None
+    onnx: OnnxModel | None = None
 
     @property
     def name(self) -> str:

@@ -12,6 +12,7 @@ from moe_serve.errors import ValidationError
 from moe_serve.options import option
 from moe_serve.validation import check_int
 
+BACKENDS = ("torch", "onnxruntime")  # what runs the forward pass: moe_serve.engine.backend
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -19,6 +20,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class EngineConfig:
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16")
+    backend: str = option(
+        "torch",
+        "torch, or onnxruntime: an ONNX export of the model (an export directory, or an artifact exported on first "
+        "use into ~/.cache/moe-serve/onnx); fp32, one k per request (no moe policies)",
+        choices=BACKENDS,
+    )
     max_num_seqs: int = option(64, "sequences in one engine step")
     max_num_batched_tokens: int = option(
         2048, "tokens in one engine step (prompts are prefilled in chunks; a classified input must fit whole)"
@@ -47,6 +54,10 @@ class EngineConfig:
         if not self.max_join_stall >= 1.0:
             raise ValidationError(
                 f"max_join_stall must be at least 1, got {self.max_join_stall}", parameter="max_join_stall"
+            )
+        if self.backend not in BACKENDS:
+            raise ValidationError(
+                f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}", parameter="backend"
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(

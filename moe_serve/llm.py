@@ -10,16 +10,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from moe_serve.artifact import Artifact, load_artifact
+from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine import pooling
+from moe_serve.engine.backend import engine_device, load_model
 from moe_serve.engine.inputs import GenerationRequest
 from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import KSpec, MoEPolicy
 from moe_serve.outputs import ClassificationOutput, CompletionOutput, ExpertCounts, RequestOutput, ScoreOutput
-from moe_serve.registry import resolve_model
 from moe_serve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -36,16 +36,10 @@ class LLM:
 
     def __init__(self, model: str | Path, engine_config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.engine_config = engine_config or EngineConfig(**kwargs)
-        device = self.engine_config.torch_device()
-        self.artifact: Artifact = load_artifact(
-            resolve_model(model),
-            device=device,
-            dtype=self.engine_config.torch_dtype(),
-            verify_checksums=self.engine_config.verify_checksums,
-        )
+        self.artifact: Artifact = load_model(model, self.engine_config)
         self.config = self.artifact.config
         self.tokenizer = self.artifact.tokenizer
-        self.engine = LLMEngine(self.artifact, self.engine_config, device)
+        self.engine = LLMEngine(self.artifact, self.engine_config, engine_device(self.engine_config))
         self.inputs = self.engine.inputs
         self._ids = itertools.count()
 

@@ -9,6 +9,8 @@ The interface (one owner: the exporter imports these names):
   fp32 -> logits [B, T, V], present.{i}.key/.value [B, G, P + T, Dh]. One graph for prefill (P = 0) and
   decode (T = 1).
 - classifier: input_ids [B, T], attention_mask [B, T], experts_per_token [B] -> logits [B, C], probs [B, C].
+- both, when the model has MoE layers, last: expert_counts [L_moe, N] int64, the real tokens routed to each
+  expert in each MoE layer during the run (the expert-load metrics; padding and slots beyond k count none).
 - metadata_props under `moe_serve.`: format, task, experts_per_token (default/min/max), labels, the model
   config, the tokenizer (tokenizer.json text), provenance.
 
@@ -31,12 +33,13 @@ from moe_serve.tokenizer import Tokenizer
 from moe_serve.validation import check_int
 
 FORMAT = "moe-serve-onnx"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: expert_counts output
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"  # the weights, when they are stored beside the graph (large models)
 META = "moe_serve."  # prefix of every metadata key
 INPUTS = ("input_ids", "attention_mask", "experts_per_token")
 CLASSIFIER_OUTPUTS = ("logits", "probs")
+EXPERT_COUNTS = "expert_counts"
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -130,7 +133,7 @@ class OnnxModel:
         feeds = dict(zip(INPUTS, (input_ids, attention_mask, experts_per_token), strict=True))
         feeds.update(zip(past_names(self.config.num_layers), past, strict=True))
         logits, *present = self.run(feeds)
-        return logits, present
+        return logits, present[: 2 * self.config.num_layers]  # without expert_counts
 
     def generate_greedy(
         self, prompts: list[list[int]], max_tokens: int, experts_per_token: int | list[int | None] | None = None
@@ -171,8 +174,7 @@ class OnnxModel:
         for row, tokens in enumerate(token_ids):
             ids[row, : len(tokens)] = tokens
             mask[row, : len(tokens)] = 1
-        _, probs = self.run(dict(zip(INPUTS, (ids, mask, ks), strict=True)))
-        return probs
+        return self.run(dict(zip(INPUTS, (ids, mask, ks), strict=True)))[1]
 
     def _require_task(self, task: str) -> None:
         if self.config.task != task:

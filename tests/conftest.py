@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,10 +18,16 @@ NUM_EXPERTS = 4
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the CPU kernels once, here, before any test starts a server process that would otherwise
-    spend its startup deadline compiling them."""
+    spend its startup deadline compiling them. ONNX exports made by `--backend onnxruntime` go to a
+    directory of this run (server processes started by tests inherit it), never the user's cache."""
     from moe_serve.kernels import cpu_extension
 
     cpu_extension()
+    os.environ["MOE_SERVE_ONNX_CACHE"] = tempfile.mkdtemp(prefix="moe-serve-onnx-test-")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    shutil.rmtree(os.environ.get("MOE_SERVE_ONNX_CACHE", ""), ignore_errors=True)
 
 
 def lm_config(**overrides) -> ModelConfig:

@@ -141,14 +141,21 @@ class GraphModel(nn.Module):
 
     # ---- feed-forward -----------------------------------------------------------------------------
 
-    def ffn(self, i: int, x: torch.Tensor, token_k: torch.Tensor, row_k: torch.Tensor, mask: torch.Tensor):
-        """x [B, T, D] -> [B, T, D]; token_k [B * T] (0 for padding), row_k [B], mask [B, T] float."""
+    def ffn(
+        self, i: int, x: torch.Tensor, token_k: torch.Tensor, row_k: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, D] -> ([B, T, D], tokens routed to each expert [N] int64: None for a dense layer);
+        token_k [B * T] (0 for padding), row_k [B], mask [B, T] float."""
         layer = self.model.layers[i]
         if not layer.is_moe:
-            return apply_ffn(layer.ffn.config, lambda name, h: _linear(getattr(layer.ffn, name), h), x)
+            return apply_ffn(layer.ffn.config, lambda name, h: _linear(getattr(layer.ffn, name), h), x), None
         block = layer.moe
+        experts = torch.arange(block.config.num_experts, device=x.device)
         if block.routing.per_sequence:
-            out = self._merged_experts(block, x, row_k, mask)
+            out, ids = self._merged_experts(block, x, row_k, mask)
+            # One decision per row stands for each of its real tokens (MoEBlock._count's tokens_per_row).
+            tokens = mask.sum(1).long()[:, None, None]  # [B, 1, 1]
+            counts = ((ids[..., None] == experts) * tokens).sum((0, 1))
         else:
             flat = x.reshape(-1, x.shape[-1])  # [M, D]
             mode = ROUTE_MODES.get(block.config.router.kind) or (
@@ -156,13 +163,14 @@ class GraphModel(nn.Module):
             )
             ids, weights = route(_linear(block.router, flat.float()), token_k, self.max_k, mode)
             out = self._experts(block.experts, flat, ids, weights).reshape(x.shape)
+            counts = (ids[..., None] == experts).sum((0, 1))  # -1 (unused slots, padding) matches none
         if block.config.shared_expert is not None:
             expert = block.shared_expert
             shared = apply_ffn(expert.config, lambda name, h: _linear(getattr(expert, name), h), x)
             if block.config.shared_expert_gate:
                 shared = torch.sigmoid(F.linear(x, block.shared_expert_gate.weight)) * shared
             out = out + shared
-        return out
+        return out, counts.to(torch.int64)
 
     def _experts(self, bank: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [M, D], ids [M, K] (-1: unused), weights [M, K] -> [M, D] (ops.moe_experts_torch's math): each
@@ -181,14 +189,17 @@ class GraphModel(nn.Module):
             per_slot = per_slot.index_put((slots,), apply_ffn(bank.config, linear, x[rows]))
         return (per_slot.reshape(m, k, -1) * weights[..., None]).sum(1)
 
-    def _merged_experts(self, block: nn.Module, x: torch.Tensor, row_k: torch.Tensor, mask: torch.Tensor):
+    def _merged_experts(
+        self, block: nn.Module, x: torch.Tensor, row_k: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """soft_merge (SMEAR): one decision per row from the masked mean of its tokens, and one expert whose
-        parameters are the weighted average of the chosen experts' (ExpertBank.forward_merged)."""
+        parameters are the weighted average of the chosen experts' (ExpertBank.forward_merged). -> the
+        output and the chosen ids [B, K] (-1 beyond a row's k)."""
         pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # [B, D]
         if block.config.router.input_norm is not None:
             pooled = _norm(block.router_norm, pooled)
-        ids, weights = route(_linear(block.router, pooled), row_k, self.max_k, "softmax_chosen")
-        ids = ids.clamp(min=0)  # unused slots carry weight 0
+        chosen, weights = route(_linear(block.router, pooled), row_k, self.max_k, "softmax_chosen")
+        ids = chosen.clamp(min=0)  # unused slots carry weight 0
         bank = block.experts
 
         def merge(param: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [B, ...]
@@ -202,7 +213,7 @@ class GraphModel(nn.Module):
             out = torch.matmul(h, merge(part.weight).transpose(1, 2))
             return out if part.bias is None else out + merge(part.bias)[:, None]
 
-        return apply_ffn(bank.config, linear, x)
+        return apply_ffn(bank.config, linear, x), chosen
 
     # ---- the stack --------------------------------------------------------------------------------
 
@@ -212,8 +223,9 @@ class GraphModel(nn.Module):
         key_mask: torch.Tensor,  # [B, S] int64, 1 for real tokens (past included)
         experts_per_token: torch.Tensor,  # [B] int64
         pasts: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """-> final hidden states [B, T, D] and each layer's keys and values so far."""
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """-> final hidden states [B, T, D], each layer's keys and values so far, and the tokens routed to
+        each expert per MoE layer in this run ([L_moe, N] int64; None without MoE layers)."""
         config = self.config
         t, s = input_ids.shape[1], key_mask.shape[1]
         key_pos = (torch.cumsum(key_mask, dim=1) - 1).clamp(min=0)  # [B, S] a token's place in its sequence
@@ -235,26 +247,31 @@ class GraphModel(nn.Module):
             h = h * config.embedding_scale
         if config.position == "learned":
             h = h + F.embedding(query_pos, self.model.embed_positions.weight)
-        presents = []
+        presents, counts = [], []
         for i, layer in enumerate(self.model.layers):
             past = pasts[i] if pasts is not None else None
             if layer.is_pre_norm:
                 out, present = self.attention(i, _norm(layer.attn_norm, h), allowed, query_pos, key_pos, past)
                 h = h + out
-                h = h + self.ffn(i, _norm(layer.ffn_norm, h), token_k, experts_per_token, mask)
+                out, routed = self.ffn(i, _norm(layer.ffn_norm, h), token_k, experts_per_token, mask)
+                h = h + out
             else:
                 out, present = self.attention(i, h, allowed, query_pos, key_pos, past)
                 h = _norm(layer.attn_norm, h + out)
-                h = _norm(layer.ffn_norm, h + self.ffn(i, h, token_k, experts_per_token, mask))
+                out, routed = self.ffn(i, h, token_k, experts_per_token, mask)
+                h = _norm(layer.ffn_norm, h + out)
             presents.append(present)
+            if routed is not None:
+                counts.append(routed)
         if config.final_norm:
             h = _norm(self.model.norm, h)
-        return h, presents
+        return h, presents, torch.stack(counts) if counts else None
 
 
 class CausalLMGraph(GraphModel):
     """(input_ids [B, T], attention_mask [B, P + T], experts_per_token [B], past key/value per layer
-    [B, G, P, Dh]) -> (logits [B, T, V], present key/value per layer [B, G, P + T, Dh]).
+    [B, G, P, Dh]) -> (logits [B, T, V], present key/value per layer [B, G, P + T, Dh], and with MoE
+    layers expert_counts [L_moe, N]).
 
     One graph for prefill (P = 0) and decode (T = 1). attention_mask covers the past and the new tokens;
     rows may be left-padded (positions count real tokens only)."""
@@ -263,23 +280,25 @@ class CausalLMGraph(GraphModel):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, experts_per_token: torch.Tensor, *past
     ) -> tuple[torch.Tensor, ...]:
         pasts = [(past[2 * i], past[2 * i + 1]) for i in range(self.config.num_layers)]
-        hidden, presents = self.layers(input_ids, attention_mask, experts_per_token, pasts)
+        hidden, presents, counts = self.layers(input_ids, attention_mask, experts_per_token, pasts)
         model = self.model
         if self.config.tie_word_embeddings:
             bias = model.lm_head_bias if self.config.lm_head_bias else None
             logits = F.linear(hidden, model.embed_tokens.weight, bias)
         else:
             logits = F.linear(hidden, model.lm_head.weight, model.lm_head.bias)
-        return (logits, *(t for present in presents for t in present))
+        outputs = (logits, *(t for present in presents for t in present))
+        return outputs if counts is None else (*outputs, counts)
 
 
 class ClassifierGraph(GraphModel):
-    """(input_ids [B, T], attention_mask [B, T], experts_per_token [B]) -> (logits [B, C], probs [B, C])."""
+    """(input_ids [B, T], attention_mask [B, T], experts_per_token [B]) -> (logits [B, C], probs [B, C], and
+    with MoE layers expert_counts [L_moe, N])."""
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, experts_per_token: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, _ = self.layers(input_ids, attention_mask, experts_per_token, None)  # [B, T, D]
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, _, counts = self.layers(input_ids, attention_mask, experts_per_token, None)  # [B, T, D]
         classifier = self.config.classifier
         assert classifier is not None
         mask = attention_mask.float()
@@ -296,7 +315,8 @@ class ClassifierGraph(GraphModel):
         if classifier.pooler_dense:
             pooled = torch.tanh(_linear(self.model.pooler, pooled))
         logits = _linear(self.model.classifier, pooled)
-        return logits, torch.softmax(logits, dim=-1)
+        outputs = (logits, torch.softmax(logits, dim=-1))
+        return outputs if counts is None else (*outputs, counts)
 
 
 __all__ = ["CausalLMGraph", "ClassifierGraph", "route"]

@@ -14,9 +14,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_serve.artifact import Artifact, load_artifact
+from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine import pooling
+from moe_serve.engine.backend import engine_device, load_model
 from moe_serve.engine.expert_load import ExpertLoad
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
@@ -32,7 +33,6 @@ from moe_serve.outputs import (
     ScoreOutput,
     SequenceTiming,
 )
-from moe_serve.registry import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, track_expert_load: bool = False) -> None:
         self.engine = engine
         self.max_waiting = engine.config.max_waiting
-        self.expert_load = ExpertLoad(engine.artifact.model) if track_expert_load and engine.model_config.moe else None
+        self.expert_load = ExpertLoad(engine.runner) if track_expert_load and engine.model_config.moe else None
         self._lock = threading.Condition()
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
@@ -170,11 +170,8 @@ class AsyncEngine:
     @classmethod
     def load(cls, model: str, config: EngineConfig, *, track_expert_load: bool = False) -> AsyncEngine:
         """Load an artifact (a directory or a bundled name) and start its engine thread."""
-        device = config.torch_device()
-        artifact = load_artifact(
-            resolve_model(model), device=device, dtype=config.torch_dtype(), verify_checksums=config.verify_checksums
-        )
-        return cls(LLMEngine(artifact, config, device), track_expert_load=track_expert_load)
+        engine = LLMEngine(load_model(model, config), config, engine_device(config))
+        return cls(engine, track_expert_load=track_expert_load)
 
     @property
     def artifact(self) -> Artifact:

@@ -1,25 +1,26 @@
 """Expert-load accounting: tokens routed to each expert per MoE layer, cumulative since the engine
-started, with bounded per-layer summaries (normalised entropy, largest share). The MoE blocks count per
-step; this is the one place that accumulates and summarises, for metrics and the dashboard alike."""
+started, with bounded per-layer summaries (normalised entropy, largest share). The runner counts per step
+(the torch model's MoE blocks, or an ONNX graph's expert_counts output); this is the one place that
+accumulates and summarises, for metrics and the dashboard alike."""
 
 from __future__ import annotations
 
 import math
 import threading
 
-from moe_serve.models import MoETransformer
+from moe_serve.engine.model_runner import Runner
 
 
 class ExpertLoad:
-    def __init__(self, model: MoETransformer) -> None:
-        self._model = model
+    def __init__(self, runner: Runner) -> None:
+        self._runner = runner
         self._lock = threading.Lock()
         self._totals: dict[int, list[int]] = {}
-        model.track_expert_load()
+        runner.track_expert_load()
 
     def collect(self) -> None:
-        """Add what the MoE blocks counted since the last call (engine thread, after a step)."""
-        deltas = self._model.read_expert_load()
+        """Add what the runner counted since the last call (engine thread, after a step)."""
+        deltas = self._runner.read_expert_load()
         with self._lock:
             for layer, counts in deltas.items():
                 total = self._totals.setdefault(layer, [0] * len(counts))

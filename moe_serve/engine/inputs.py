@@ -25,6 +25,7 @@ class InputProcessor:
     kv_budget: int  # the configured budget in tokens, as the user knows it
     block_size: int  # a sequence holds whole blocks
     max_step_tokens: int  # tokens in one engine step: a classified input must fit whole
+    backend: str = "torch"  # what runs the model (EngineConfig.backend): per-token policies are torch-only
 
     def require_task(self, task: str, what: str) -> None:
         if self.config.task != task:
@@ -61,6 +62,12 @@ class InputProcessor:
         moe = self.config.moe
         if moe is None:
             raise ValidationError(f"moe was given but model '{self.name}' has no MoE layers", parameter="moe")
+        if self.backend != "torch":
+            raise ValidationError(
+                f"moe policies run on the torch backend only; model '{self.name}' is served by {self.backend}, "
+                "whose graph takes one k per request (give experts_per_token)",
+                parameter="moe",
+            )
         if not router_class(moe.router.kind).top_p_defined:
             raise ValidationError(
                 f"moe.policy {policy.policy} is not defined for router kind {moe.router.kind} (model '{self.name}'): "

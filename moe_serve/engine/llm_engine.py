@@ -15,11 +15,12 @@ import torch
 
 from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine.backend import make_runner, model_dtype
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.detokenizer import IncrementalDetokenizer
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.kv_cache import bytes_per_token, cache_shape, router_state_sizes
-from moe_serve.engine.model_runner import Runner, StepResult, TorchRunner
+from moe_serve.engine.model_runner import Runner, StepResult
 from moe_serve.engine.sampler import sample
 from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
@@ -41,12 +42,12 @@ class LLMEngine:
         self.device = device
         positions = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
-        dtype = artifact.model.embed_tokens.weight.dtype
+        dtype = model_dtype(artifact)
         budget = config.kv_cache_memory
         if config.kv_cache_tokens is not None:
             budget = min(budget, config.kv_cache_tokens * bytes_per_token(self.model_config, dtype))
         shape = cache_shape(self.model_config, dtype, budget, config.block_size)
-        self.runner: Runner = TorchRunner(artifact.model, device, shape, dtype)
+        self.runner: Runner = make_runner(artifact, device, shape)
         self.cache_shape = shape
         self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_join_stall)
@@ -62,6 +63,7 @@ class LLMEngine:
             kv_budget,
             config.block_size,
             config.max_num_batched_tokens,
+            config.backend,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}

@@ -1,6 +1,6 @@
 """The runner: the scheduler's decision for a step -> one token-packed forward -> what the step produced
 (next-token logits, prompt log-likelihoods, class probabilities). `Runner` is the interface an engine
-drives; `TorchRunner` runs the PyTorch model (an onnxruntime or vLLM backend implements the same).
+drives; `TorchRunner` runs the PyTorch model, engine.onnx_runner.OnnxRunner an exported ONNX graph.
 
 Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary, D hidden.
 """
@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moe_serve.engine.kv_cache import CacheShape, KVCache
-from moe_serve.engine.scheduler import SchedulerOutput
+from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
@@ -34,11 +34,42 @@ class StepResult:
     experts: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)  # (tokens, experts per MoE layer)
 
 
+def score_targets(item: ScheduledSequence) -> list[int]:
+    """The next prompt token of each position in a SCORE chunk (the last chunk's last position predicts
+    nothing)."""
+    return item.seq.token_ids[item.start + 1 : item.end + 1]
+
+
+def chunk_logprobs(
+    logits: torch.Tensor, targets: list[int], item: ScheduledSequence
+) -> tuple[list[float], list[dict[int, float]]]:
+    """logits [len(targets), V] of a SCORE chunk's positions -> log p(target) at each, and the
+    `params.logprobs` most likely tokens at each when asked for."""
+    if not targets:
+        return [], []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    values = logprobs.gather(1, index)[:, 0].tolist()
+    if not item.seq.params.logprobs:
+        return values, []
+    top_values, top_ids = logprobs.topk(item.seq.params.logprobs, dim=-1)
+    tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+    return values, tops
+
+
 class Runner(Protocol):
     def execute(self, output: SchedulerOutput) -> StepResult: ...
 
     def prompt_seconds(self, num_tokens: int, k: int) -> float:
         """The time one prompt of num_tokens takes through the model (the scheduler's cost calibration)."""
+        ...
+
+    def track_expert_load(self) -> None:
+        """Start counting the tokens routed to each expert (engine.expert_load reads them after each step)."""
+        ...
+
+    def read_expert_load(self) -> dict[int, list[int]]:
+        """MoE layer -> tokens routed to each expert since the last read (resets the counts)."""
         ...
 
 
@@ -163,8 +194,9 @@ class TorchRunner:
         for i, item in enumerate(output.scheduled):
             seq = item.seq
             if seq.kind is SequenceKind.SCORE:
-                values, tops = self._chunk_logprobs(hidden[start : start + item.num_tokens], item)
-                result.prompt_logprobs[i], result.prompt_top_logprobs[i] = values, tops
+                targets = score_targets(item)
+                logits = self.model.lm_logits(hidden[start : start + len(targets)])  # [n, V]
+                result.prompt_logprobs[i], result.prompt_top_logprobs[i] = chunk_logprobs(logits, targets, item)
             elif item.completes_prompt:
                 result.sample_items.append(i)
                 rows.append(start + item.num_tokens - 1)
@@ -189,6 +221,12 @@ class TorchRunner:
         top_values, top_ids = logprobs.topk(seq.params.logprobs, dim=-1)
         tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
         return values, tops
+
+    def track_expert_load(self) -> None:
+        self.model.track_expert_load()
+
+    def read_expert_load(self) -> dict[int, list[int]]:
+        return self.model.read_expert_load()
 
     def prompt_seconds(self, num_tokens: int, k: int) -> float:
         tokens = [[i % self.config.vocab_size for i in range(num_tokens)]]

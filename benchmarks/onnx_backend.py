@@ -1,0 +1,99 @@
+"""The onnxruntime backend against the torch backend, in one run on the same machine (issue: ONNX export):
+
+    python -m benchmarks.onnx_backend [--models tiny,medium] [--reps 3]
+
+- greedy tokens/s at batch 1 and 16 on the benchmark models (benchmarks.models), both backends behind the
+  same engine (scheduler, paged cache, sampling), each in its own worker process (benchmarks.engines);
+- per-k decode cost on the medium model (ms per token at batch 1, per step at batch 16).
+
+The first onnxruntime worker exports the artifact into the ONNX cache (not timed: the warm-up run follows
+the load). Results go to benchmarks/results/onnx_backend.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.models import build
+from benchmarks.run import ROOT, run_worker, summary
+
+BACKENDS = {"torch": "moe-serve", "onnxruntime": "moe-serve-onnx"}  # backend -> benchmarks.engines name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,medium")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--k-sweep", default="1,2,4,8,16")
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "onnx_backend.json")
+    parser.add_argument("--timeout", type=int, default=3600)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}, "k_sweep": {}}
+    models = {name: build(name, args.cache) for name in args.models.split(",")}
+    for name, model in models.items():
+        k = model.config["num_experts_per_tok"]
+        for backend, engine in BACKENDS.items():
+            result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
+            cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+            report["throughput"].setdefault(name, {})[backend] = cell
+            print(f"{name} {backend}: {cell}", flush=True)
+    if "medium" in models:
+        ks = [int(k) for k in args.k_sweep.split(",")]
+        for backend, engine in BACKENDS.items():
+            result = run_worker(engine, models["medium"], [1, 16], ks, 1, 32, args.timeout)
+            for k in ks:
+                cell = result.get(str(k), {}) if isinstance(result, dict) else result
+                if isinstance(cell, dict):
+                    cell = {"ms_per_token_batch1": 1000 / cell["1"][0], "ms_per_step_batch16": 16000 / cell["16"][0]}
+                report["k_sweep"].setdefault(backend, {})[str(k)] = cell
+            print(f"k sweep {backend}: {report['k_sweep'][backend]}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for name, backends in report["throughput"].items():
+        lines += [f"### {name}: greedy tok/s (min / median / max)", ""]
+        cells = [c for c in backends.values() if isinstance(c, dict)]
+        batches = list(cells[0]) if cells else []
+        lines += ["| backend | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+        for backend, cell in backends.items():
+            if isinstance(cell, str):
+                lines.append(f"| {backend} | {cell} |")
+                continue
+            values = " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cell.values())
+            lines.append(f"| {backend} | {values} |")
+        torch_cell, onnx_cell = backends.get("torch"), backends.get("onnxruntime")
+        if isinstance(torch_cell, dict) and isinstance(onnx_cell, dict):
+            ratios = ", ".join(
+                f"batch {b}: {onnx_cell[b]['median'] / torch_cell[b]['median']:.2f}x" for b in torch_cell
+            )
+            lines += ["", f"onnxruntime / torch (medians): {ratios}"]
+        lines.append("")
+    if report["k_sweep"]:
+        ks = list(next(iter(report["k_sweep"].values())))
+        lines += ["### medium, per k: ms per token at batch 1 / ms per step at batch 16", ""]
+        lines += ["| backend | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+        for backend, cells in report["k_sweep"].items():
+            values = " | ".join(
+                f"{c['ms_per_token_batch1']:.1f} / {c['ms_per_step_batch16']:.0f}" if isinstance(c, dict) else str(c)
+                for c in cells.values()
+            )
+            lines.append(f"| {backend} | {values} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

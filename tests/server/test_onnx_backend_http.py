@@ -1,0 +1,53 @@
+"""The server's end-to-end tests again, with the onnxruntime backend (`moe-serve serve --backend onnxruntime`):
+the same real uvicorn, the same `openai` client, the same assertions (per-request k, streaming, 32 concurrent
+mixed-k requests equal to one at a time, chat, classify and score, disconnects, metrics with the expert load
+counted by the graph). Each artifact is exported to ONNX on first use, as a user's would be."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from moe_serve.config import EngineConfig, RequestLimits
+from moe_serve.server.settings import ServerSettings
+from tests.server.conftest import RunningServer, start_server
+
+pytest.importorskip("onnxruntime")
+
+from tests.server.test_openai_api import *  # noqa: E402, F403  (collected here against the fixtures below)
+
+pytestmark = pytest.mark.slow  # two exports and a server start
+
+
+@pytest.fixture(scope="module")
+def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
+    running = start_server(
+        ServerSettings(
+            models=(str(artifacts["lm"]), str(artifacts["clf"])),
+            limits=RequestLimits(max_tokens_cap=64),
+            engine=EngineConfig(max_num_seqs=16, backend="onnxruntime"),
+            data_dir=str(tmp_path_factory.mktemp("batch-data")),
+        )
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def test_the_backend_is_onnxruntime_and_refuses_a_moe_policy_with_a_400(server, client) -> None:
+    for model in server.app.state.ctx.models.values():
+        assert model.artifact.model is None and model.artifact.onnx is not None  # no torch model loaded
+    body = {"model": "tiny-lm", "prompt": "x", "max_tokens": 2, "moe": {"policy": "top_p", "p": 0.5}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "moe" and "onnxruntime" in error["message"]
+    response = client.post("/v1/completions", json={"model": "tiny-lm", "prompt": "x", "experts_per_token": 9})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "experts_per_token"
