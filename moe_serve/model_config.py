@@ -198,6 +198,7 @@ class RouterConfig:
     normalize: bool = True  # topk_softmax: softmax over the chosen (True) or full-softmax mass (False)
     use_bias: bool = False  # router linear bias (HyperRouter's folded b_r)
     input_norm: NormKind | None = None  # soft_merge: norm applied to the pooled input (SMEAR's LN_in)
+    tau: float = 1.0  # similarity: temperature of the token-similarity softmax (x_i . x_j / tau)
 
     def __post_init__(self) -> None:
         from moe_serve.layers.routers import router_kinds  # the registry: every kind with a module
@@ -205,6 +206,7 @@ class RouterConfig:
         _check_choice("router kind", self.kind, router_kinds())
         if self.input_norm is not None:
             _check_choice("router input_norm", self.input_norm, NORM_KINDS)
+        _check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +263,7 @@ class MoEConfig:
         """Whether k is one the router kind does not define exactly (soft_merge below N, say)."""
         from moe_serve.layers.routers import router_class
 
-        return router_class(self.router.kind).is_approximate(k, self.num_experts)
+        return router_class(self.router.kind).is_approximate(k, self.num_experts, self.experts_per_token.default)
 
 
 @dataclass(frozen=True, slots=True)

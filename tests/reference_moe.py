@@ -76,6 +76,18 @@ def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: lis
     return [math.exp(logits[i]) / z for i in chosen]
 
 
+def similarity_mix(block: MoEBlock, x: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Similarity-aware routing of one sequence x [T, D] with the whole [T, T] matrix written out: S = the
+    row softmax of x x^T / tau (causal: j <= i), P = the router's softmax of each token -> Q = S P [T, N]."""
+    w, b = block.router.weight.double(), block.router.bias
+    logits = x @ w.T + (0 if b is None else b.double())
+    probs = torch.softmax(logits, dim=-1)
+    scores = x @ x.T / block.config.router.tau
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ probs
+
+
 def reference_moe(
     block: MoEBlock,
     x: torch.Tensor,
@@ -111,7 +123,8 @@ def reference_moe(
             for l in positions:
                 out[b, l] = run_expert(cfg.expert, merged, x[b, l].double()).to(x.dtype)
         else:
-            for l in positions:
+            mixed = similarity_mix(block, x[b, positions].double()) if cfg.router.kind == "similarity" else None
+            for i, l in enumerate(positions):
                 token = x[b, l].double()
                 logits = torch.mv(w_router, token)
                 if b_router is not None:
@@ -121,8 +134,13 @@ def reference_moe(
                 k = ks[b] if policy is None else top_p_k(logits, policy[0], policy[1], ks[b])
                 if taken is not None:
                     taken[b].append(k)
-                chosen = choose(logits, k)
-                weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
+                if mixed is not None:  # similarity: top-k of the mixed distribution, weights renormalised
+                    q = mixed[i].tolist()
+                    chosen = choose(q, k)
+                    weights = [q[e] / sum(q[c] for c in chosen) for e in chosen]
+                else:
+                    chosen = choose(logits, k)
+                    weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
                 y = torch.zeros_like(token)
                 for e, w in zip(chosen, weights, strict=True):
                     params = {n: None if p is None else p.double() for n, p in expert_params(block, e).items()}

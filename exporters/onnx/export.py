@@ -64,7 +64,7 @@ def check_exportable(config: ModelConfig) -> None:
     if moe is None:
         return
     kind = moe.router.kind
-    if router_class(kind).state_size(moe.num_experts) > 0:
+    if router_class(kind).state_size(moe.num_experts, config.hidden_size) > 0:
         raise ExportError(
             f"router kind '{kind}' keeps per-token routing state in the KV cache (graph-of-tokens routing: each "
             "token's choice mixes over earlier tokens of its sequence); the ONNX graph carries only keys and "

@@ -33,7 +33,7 @@ def router_state_sizes(config: ModelConfig) -> dict[int, int]:
     """MoE layer -> floats its router keeps per token (stateful kinds only)."""
     if config.moe is None:
         return {}
-    size = router_class(config.moe.router.kind).state_size(config.moe.num_experts)
+    size = router_class(config.moe.router.kind).state_size(config.moe.num_experts, config.hidden_size)
     return {layer: size for layer in config.moe.layers} if size else {}
 
 

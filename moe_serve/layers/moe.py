@@ -35,6 +35,7 @@ class MoEBlock(nn.Module):
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.routing: Router = router_class(config.router.kind)(config.router, config.num_experts)
+        self._stateful = type(self.routing).state_size(config.num_experts, hidden_size) > 0
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
         self.expert_load: torch.Tensor | None = None
         self._router: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by prepare()
@@ -67,8 +68,9 @@ class MoEBlock(nn.Module):
             out = self._forward_merged(x, batch)
         else:
             state = None
-            if batch.router_states:
-                state = RouterState(batch.router_states[layer], batch.attention, batch.block_size)
+            if self._stateful:
+                cache = batch.router_states[layer] if batch.router_states else None
+                state = RouterState(cache, batch.attention, batch.block_size, x)
             logits = self.router_logits(x)
             top_k = batch.top_k
             if batch.adaptive_k is not None:  # only kinds with top_p_defined get here (moe_serve.engine.inputs)

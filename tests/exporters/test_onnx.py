@@ -212,32 +212,24 @@ def test_external_data_export_passes_the_full_check_and_matches(exported, tmp_pa
 
 
 @pytest.fixture
-def extra_router_kinds():
-    """Two router kinds the graph cannot express, registered for one test only: a stateful one (graph-of-
-    tokens routing keeps per-token state in the cache) and a stateless one it does not know."""
+def unknown_router_kind():
+    """A stateless router kind the graph does not know, registered for one test only."""
     from moe_serve.layers.routers import base
 
     class Unsupported(base.Router):
         def route(self, logits, top_k, max_k, state=None):
             raise NotImplementedError
 
-    class Stateful(Unsupported):
-        @classmethod
-        def state_size(cls, num_experts: int) -> int:
-            return num_experts
-
-    base.register("test_similarity")(Stateful)
     base.register("test_expert_choice")(Unsupported)
     yield
-    for kind in ("test_similarity", "test_expert_choice"):
-        del base._REGISTRY[kind]
+    del base._REGISTRY["test_expert_choice"]
 
 
-def test_models_the_graph_cannot_express_are_refused_naming_the_feature(extra_router_kinds, tmp_path: Path) -> None:
+def test_models_the_graph_cannot_express_are_refused_naming_the_feature(unknown_router_kind, tmp_path: Path) -> None:
     from moe_serve.cli import main
 
     messages = {
-        "test_similarity": "router kind 'test_similarity' keeps per-token routing state in the KV cache "
+        "similarity": "router kind 'similarity' keeps per-token routing state in the KV cache "
         r"\(graph-of-tokens routing",
         "test_expert_choice": "router kind 'test_expert_choice' has no ONNX graph; export-onnx expresses "
         "topk_softmax, topk_uniform, soft_merge",

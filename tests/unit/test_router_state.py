@@ -22,7 +22,7 @@ class _CausalMean(Router):
     reads_cache = True
 
     @classmethod
-    def state_size(cls, num_experts: int) -> int:
+    def state_size(cls, num_experts: int, hidden_size: int) -> int:
         return num_experts
 
     def route(self, logits, top_k, max_k, state: RouterState | None = None):

@@ -41,12 +41,15 @@ def router_class(kind: str) -> type[Router]:
 
 @dataclass(frozen=True, slots=True)
 class RouterState:
-    """A stateful router's per-token memory in one MoE layer: row `slot` of `cache` belongs to the token the
-    KV cache keeps at that slot, so the state follows chunked prefill, prefix caching and preemption."""
+    """What a stateful router reads besides the logits: the step's tokens (their MoE-layer inputs and where
+    each sits in its sequence) and its per-token memory in one MoE layer. Row `slot` of `cache` belongs to
+    the token the KV cache keeps at that slot, so the state follows chunked prefill, prefix caching and
+    preemption. Without a cache (classify, whole sequences), every sequence is whole in the step."""
 
-    cache: torch.Tensor  # [NB * BS, state_size]
+    cache: torch.Tensor | None  # [NB * BS, state_size] fp32
     batch: AttentionBatch  # the step's tokens: sequences, positions, block tables, slot mapping
     block_size: int
+    inputs: torch.Tensor | None = None  # [T, D] the MoE layer's input of each token of the step
 
     def rows_of(self, seq: int, num_tokens: int) -> torch.Tensor:
         """The state rows of a sequence's first num_tokens tokens, in order: [num_tokens] int64."""
@@ -68,7 +71,7 @@ class Router(ABC):
         self.num_experts = num_experts
 
     @classmethod
-    def state_size(cls, num_experts: int) -> int:
+    def state_size(cls, num_experts: int, hidden_size: int) -> int:
         """Floats the kind keeps per token in the paged cache for the later tokens of the sequence (0: none)."""
         return 0
 
@@ -79,6 +82,7 @@ class Router(ABC):
         """-> topk_ids [R, K] (-1 beyond a row's k), topk_weights [R, K] fp32."""
 
     @classmethod
-    def is_approximate(cls, k: int, num_experts: int) -> bool:
-        """Whether k is outside what the method defines exactly (flagged in responses)."""
+    def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
+        """Whether k is outside what the method defines exactly (flagged in responses); trained_k: the
+        model's default k, the one it was trained at."""
         return False

@@ -21,5 +21,5 @@ class SoftMerge(Router):
         return ops.topk_route(logits, top_k, max_k, "softmax_chosen")
 
     @classmethod
-    def is_approximate(cls, k: int, num_experts: int) -> bool:
+    def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
         return k < num_experts

@@ -1,0 +1,70 @@
+"""`similarity`: Similarity-Aware routing (graph-of-tokens, Nguyen et al. 2025; method card
+../shared/methods/graph_routing.md §8, binding). Each token mixes the router distributions of its
+sequence's tokens so far, weighted by token similarity, and takes the top k of the mix:
+
+    p_j = softmax(W_g x_j + b_g)                 [N]  x = the MoE layer's input, fp32
+    S_i. = softmax_j (x_i . x_j / tau), j <= i        causal, per sequence, includes j = i (W_s = I)
+    q_i = sum_j S_ij p_j                              full probabilities mixed; independent of k
+    top-k of q_i (ties to the lower id), weights q_i[idx] / sum q_i[idx]
+
+Causal and per request: the graph never spans other sequences or later tokens, so a token's routing is
+fixed once computed and its keys and values stay valid. Each token's x_j and p_j are kept in the paged
+cache (state_size = D + N floats per token per MoE layer), so chunked prefill, decode, a prefix-cache hit
+and recomputation after preemption all route as one full prefill does. q does not depend on k, so every k
+is defined; only the trained k (the model's default) was validated, and others are flagged approximate.
+
+Cost: per sequence per MoE layer, one [n, t] score matrix (n tokens of the step, t of the sequence so
+far) and one [n, t] x [t, N] mix; the sequence's state rows are gathered once per step. One sequence at a
+time, so a row's result never depends on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_serve.kernels import ops
+from moe_serve.layers.routers.base import Router, RouterState, register
+
+
+@register("similarity")
+class Similarity(Router):
+    @classmethod
+    def state_size(cls, num_experts: int, hidden_size: int) -> int:
+        return hidden_size + num_experts  # x_j, then p_j
+
+    def route(
+        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if state is None or state.inputs is None:
+            raise ValueError("similarity routing needs the step's tokens and their sequences (a RouterState)")
+        return ops.topk_route(mix(logits, state, self.config.tau).log(), top_k, max_k, "softmax_chosen")
+
+    @classmethod
+    def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
+        return k != trained_k
+
+
+def mix(logits: torch.Tensor, state: RouterState, tau: float) -> torch.Tensor:
+    """q [T, N] fp32: each token's similarity-weighted mix of its sequence's router distributions."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, N]
+    x = state.inputs.float()  # type: ignore[union-attr]  # [T, D]
+    batch, cache, width = state.batch, state.cache, x.shape[1]
+    if cache is not None:  # this step's tokens first: a token sees itself
+        cache.index_copy_(0, batch.slot_mapping, torch.cat([x, probs], dim=1))  # type: ignore[arg-type]
+    mixed = torch.empty_like(probs)
+    start = 0
+    for seq, n in enumerate(batch.seq_lens):
+        total = batch.num_keys_host[seq]  # tokens of the sequence so far, this step's included
+        if cache is not None:
+            rows = cache.index_select(0, state.rows_of(seq, total))  # [t, D + N]
+            keys, values = rows[:, :width], rows[:, width:]
+        else:
+            assert total == n, "without a cache every sequence is whole in the step"
+            keys, values = x[start : start + n], probs[start : start + n]
+        scores = x[start : start + n] @ keys.T / tau  # [n, t]
+        # Query i of the step is token total - n + i of the sequence: it sees tokens up to itself.
+        visible = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(diagonal=total - n)
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        mixed[start : start + n] = weights @ values
+        start += n
+    return mixed
