@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from moe_serve.config import EngineConfig, RequestLimits
@@ -32,13 +31,7 @@ def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
         )
     )
     yield running
-    running.stop()
-
-
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
+    running.stop()  # the `client` fixture of tests/server/conftest.py talks to this server
 
 
 def test_the_backend_is_onnxruntime_and_refuses_a_moe_policy_with_a_400(server, client) -> None:
