@@ -15,6 +15,7 @@ FORMATS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "hf": ("hf", "export_hf", ()),
     "hyperrouter": ("transformer_xl", "export", ("hyperrouter",)),
     "smoe": ("transformer_xl", "export", ("smoe",)),
+    "hypermoe": ("transformer_xl", "export", ("hypermoe",)),
     "txl-dense": ("transformer_xl", "export", ("txl-dense",)),
     "moesart": ("genre_encoder", "export", ("moesart",)),
     "smear": ("genre_encoder", "export", ("smear",)),

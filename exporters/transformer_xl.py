@@ -5,6 +5,8 @@ Formats:
   the frozen hypernetwork H (recomputed from e and H, never read from a cached gate attribute); e and H
   are dropped. Router: `topk_softmax`, normalize=true, with bias.
 - `smoe`: the same backbone with a plain linear gate (`gate.gate.weight/bias`).
+- `hypermoe`: HyperMoE (methods/hypermoe.md section 8): the Switch router (no bias) and experts kept, the
+  hypernetwork replaced by the precomputed HyperExpert of every selected set. Router: `hyper_expert`.
 - `txl-dense`: the dense baseline (every layer a CoreNet FFN).
 Backbone fold: qkv_net is split into q/k/v; r_net, r_w_bias, r_r_bias are kept (relative attention);
 post-LN; the output layer is tied to the embedding and keeps its bias; embeddings scale by sqrt(d).
@@ -15,18 +17,30 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions, TrainingCheckpoint, write
+from moe_serve.layers.routers.hyper_expert import selected_sets
 from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
-METHODS = {"hyperrouter": "hyperrouter", "smoe": "smoe", "txl-dense": "dense"}
+METHODS = {"hyperrouter": "hyperrouter", "smoe": "smoe", "hypermoe": "hypermoe", "txl-dense": "dense"}
 
 
 def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
     d = ckpt.hyper("d_model")
     moe = None
-    if method != "dense":
+    if method == "hypermoe":
+        k = ckpt.hyper("top_k_max")  # the trained k, the only one its adapters are defined for
+        moe = MoEConfig(
+            num_experts=ckpt.hyper("num_experts"),
+            layers=tuple(ckpt.hyper("moe_index")),
+            expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
+            router=RouterConfig("hyper_expert", normalize=False),  # Switch: p_e, not renormalised
+            experts_per_token=ExpertsPerToken(default=k, min=k, max=k),
+            hyper_expert=FFNConfig("adapter", ckpt.hyper("adapter_dim"), "relu", use_bias=True),
+        )
+    elif method != "dense":
         n = ckpt.hyper("num_experts")
         moe = MoEConfig(
             num_experts=n,
@@ -71,6 +85,55 @@ def fold_hyperrouter_gate(ckpt: TrainingCheckpoint, prefix: str, n: int, d: int)
     return wb[:, :d].contiguous(), wb[:, d].contiguous()
 
 
+def embedding_weights(sets: list[tuple[int, ...]], num_experts: int) -> torch.Tensor:
+    """[P, N]: how much of each expert's embedding goes into the HyperExpert of each selected set: 1 for
+    every expert not selected (the released code SUMS them; the paper's Eq. 6 says mean)."""
+    weights = torch.ones(len(sets), num_experts)
+    for row, chosen in enumerate(sets):
+        weights[row, list(chosen)] = 0.0
+    return weights
+
+
+def hypermoe_adapters(
+    ckpt: TrainingCheckpoint, prefix: str, layer: int, config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """The HyperExpert of every selected set of the trained k, precomputed in fp32 exactly as the released
+    code generates it per token: u = SUM of the unselected experts' embeddings, z = embedding_process(u),
+    q = ReLU(W1 [z ; LE[layer]] + b1), D = view(Wd q + bd, [d, a]), U = view(Wu q + bu, [a, d]) and the
+    generated biases. -> the adapter table in the artifact's layout (down = D^T, up = U^T), one row per set
+    in the runtime's order (routers.hyper_expert.selected_sets)."""
+    moe = config.moe
+    assert moe is not None and moe.hyper_expert is not None
+    n, d, k = moe.num_experts, config.hidden_size, moe.default_k
+    a, t = moe.hyper_expert.intermediate_size, ckpt.hyper("experts_embedding_dim")
+    hidden, layer_dim = ckpt.hyper("hypernetwork_bottleneck"), ckpt.hyper("layer_emb_dim")
+
+    def linear(name: str, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = ckpt.get(name + ".weight", (out_features, in_features)).float()
+        return weight, ckpt.get(name + ".bias", (out_features,)).float()
+
+    embedding = ckpt.get(prefix + "n_experts_embedding.weight", (n, t)).float()
+    p1, p2 = linear(prefix + "embedding_process.0", t, t), linear(prefix + "embedding_process.2", t, t)
+    layer_emb = ckpt.get("param_gen.layer_embed.weight", (config.num_layers, layer_dim)).float()[layer]
+    gen = "param_gen.decoder."
+    w1 = linear(gen + "linear1", hidden, t + layer_dim)
+    w_down, w_up = linear(gen + "weight_down", d * a, hidden), linear(gen + "weight_up", a * d, hidden)
+    b_down, b_up = linear(gen + "bias_down", a, hidden), linear(gen + "bias_up", d, hidden)
+
+    sets = selected_sets(n, k)
+    u = embedding_weights(sets, n) @ embedding  # [P, t]
+    z = F.linear(F.relu(F.linear(u, *p1)), *p2)
+    q = F.relu(F.linear(torch.cat([z, layer_emb.expand(len(sets), -1)], dim=1), *w1))  # [P, H]
+    down = F.linear(q, *w_down).view(-1, d, a)  # D
+    up = F.linear(q, *w_up).view(-1, a, d)  # U
+    return {
+        "down.weight": down.transpose(1, 2).contiguous(),  # [P, a, d]
+        "down.bias": F.linear(q, *b_down),
+        "up.weight": up.transpose(1, 2).contiguous(),  # [P, d, a]
+        "up.bias": F.linear(q, *b_up),
+    }
+
+
 def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) -> dict[str, torch.Tensor]:
     d, h, dh = config.hidden_size, config.num_heads, config.head_dim
     assert dh is not None
@@ -111,16 +174,26 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
                         f"router in every MoE layer"
                     )
                 weight, bias = fold_hyperrouter_gate(ckpt, gate, n, d)
+            elif method == "hypermoe":
+                if src + "pos_ff.n_experts_embedding.weight" not in ckpt:
+                    raise ExportError(
+                        f"missing key '{src}pos_ff.n_experts_embedding.weight': a HyperMoE checkpoint has expert "
+                        "embeddings in every MoE layer"
+                    )
+                weight, bias = ckpt.get(gate + "gate.weight", (n, d)), None  # the Switch router has no bias
+                for name, value in hypermoe_adapters(ckpt, src + "pos_ff.", i, config).items():
+                    out[dst + "moe.hyper." + name] = value
             else:
                 if gate + "gate.weight" not in ckpt:
                     raise ExportError(
                         f"missing key '{gate}gate.weight': an SMoE checkpoint has a linear gate in every MoE layer"
                     )
                 weight, bias = ckpt.get(gate + "gate.weight", (n, d)), ckpt.get(gate + "gate.bias", (n,))
+            if bias is not None:
+                out[dst + "moe.router.bias"] = bias
             out.update(
                 {
                     dst + "moe.router.weight": weight,
-                    dst + "moe.router.bias": bias,
                     dst + "moe.experts.fc1.weight": ckpt.get(src + "pos_ff.experts.htoh4.weight", (n, f, d)),
                     dst + "moe.experts.fc1.bias": ckpt.get(src + "pos_ff.experts.htoh4.bias", (n, f)),
                     dst + "moe.experts.fc2.weight": ckpt.get(src + "pos_ff.experts.h4toh.weight", (n, d, f)),
@@ -143,6 +216,9 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
 FOLDED = {
     "hyperrouter": "router W_r, b_r = H(e) computed once per MoE layer; embedding e and hypernetwork H dropped",
     "smoe": "linear gate kept as the router",
+    "hypermoe": "the HyperExpert of every selected set of the trained k precomputed from the hypernetwork (sum of "
+    "the unselected experts' embeddings, as released); generator, expert embeddings and embedding MLP dropped; "
+    "served dropless and without router jitter (the released Switch code applies both at evaluation)",
     "dense": "no router",
 }
 

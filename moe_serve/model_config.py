@@ -233,6 +233,9 @@ class MoEConfig:
     experts_per_token: ExpertsPerToken
     shared_expert: FFNConfig | None = None
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x w) scales the shared expert
+    # HyperMoE (router kind hyper_expert): the adapter added, ungated, to every token's routed output; one
+    # per selected set of the trained k (C(N, k) of them, in routers.hyper_expert.selected_sets order).
+    hyper_expert: FFNConfig | None = None
 
     def __post_init__(self) -> None:
         _check_size("moe.num_experts", self.num_experts, MAX_EXPERTS)
@@ -245,6 +248,21 @@ class MoEConfig:
             )
         if self.shared_expert_gate and self.shared_expert is None:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_expert")
+        if (self.router.kind == "hyper_expert") != (self.hyper_expert is not None):
+            raise ConfigError("moe.hyper_expert (the HyperMoE adapters) goes with router kind hyper_expert, and only")
+        if self.hyper_expert is not None:
+            if self.hyper_expert.kind != "adapter":
+                raise ConfigError(f"moe.hyper_expert must be an adapter FFN; got kind {self.hyper_expert.kind!r}")
+            if not k.min == k.default == k_max:
+                raise ConfigError(
+                    "a hyper_expert model serves only its trained k (its adapters are keyed by the selected set): "
+                    f"experts_per_token min, default and max must be equal; got {k.min}, {k.default}, {k_max}"
+                )
+
+    @property
+    def num_patterns(self) -> int:
+        """HyperMoE: the selected sets of the trained k, each with its adapter."""
+        return math.comb(self.num_experts, self.default_k)
 
     @property
     def min_k(self) -> int:

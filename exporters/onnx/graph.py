@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from moe_serve.layers.ffn import apply_ffn
 from moe_serve.layers.positions import apply_rotary, rotary_cos_sin
+from moe_serve.layers.routers.hyper_expert import pattern_index
 from moe_serve.models import MoETransformer
 
 # topk_softmax's normalize flag (or the kind) -> how the chosen slots are weighted (ops.topk_route_torch).
@@ -162,7 +163,11 @@ class GraphModel(nn.Module):
                 "softmax_chosen" if block.config.router.normalize else "softmax_all"
             )
             ids, weights = route(_linear(block.router, flat.float()), token_k, self.max_k, mode)
-            out = self._experts(block.experts, flat, ids, weights).reshape(x.shape)
+            out = self._experts(block.experts, flat, ids, weights)
+            if block.config.hyper_expert is not None:  # HyperMoE: the selected set's adapter, weight 1
+                pattern = pattern_index(ids, block.config.num_experts)[:, None]  # padding: -1, no adapter
+                out = out + self._experts(block.hyper, flat, pattern, torch.ones_like(pattern, dtype=flat.dtype))
+            out = out.reshape(x.shape)
             counts = (ids[..., None] == experts).sum((0, 1))  # -1 (unused slots, padding) matches none
         if block.config.shared_expert is not None:
             expert = block.shared_expert

@@ -169,9 +169,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [S, in] sorted by expert, weight [E, out, in], offsets [E] group ends -> [S, out]."""
     grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
-    if grouped_mm is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    # It takes rows whose strides are multiples of 16 bytes only (an adapter of 6 units, say, is not).
+    aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[1:])
+    if grouped_mm is not None and aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
         return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    # Older torch, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the largest, one bmm.
+    # Older torch, unaligned rows, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the
+    # largest, one bmm.
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [S]
     row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert_of_row]

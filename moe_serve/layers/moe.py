@@ -19,6 +19,7 @@ from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN, ExpertBank
 from moe_serve.layers.norm import make_norm
 from moe_serve.layers.routers import Router, RouterState, router_class
+from moe_serve.layers.routers.hyper_expert import pattern_index
 from moe_serve.model_config import MoEConfig
 
 
@@ -36,10 +37,13 @@ class MoEBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.routing: Router = router_class(config.router.kind)(config.router, config.num_experts)
         self._stateful = type(self.routing).state_size(config.num_experts, hidden_size) > 0
+        if config.hyper_expert is not None:  # HyperMoE: one adapter per selected set (routers.hyper_expert)
+            self.hyper = ExpertBank(config.hyper_expert, hidden_size, config.num_patterns)
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
         self.expert_load: torch.Tensor | None = None
         self._router: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by prepare()
         self._bank: ops.ExpertWeights | None = None
+        self._hyper_bank: ops.ExpertWeights | None = None
 
     def _count(self, topk_ids: torch.Tensor, tokens_per_row: torch.Tensor | None = None) -> None:
         if self.expert_load is None:
@@ -61,6 +65,7 @@ class MoEBlock(nn.Module):
         """After loading: the router in fp32 and the expert bank in the kernel's terms, looked up once."""
         self._router = self._router_weights()
         self._bank = self.experts.weights()
+        self._hyper_bank = self.hyper.weights() if self.config.hyper_expert is not None else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -80,12 +85,20 @@ class MoEBlock(nn.Module):
             topk_ids, topk_weights = self.routing.route(logits, top_k, batch.max_k, state)
             self._count(topk_ids)
             out = ops.moe_experts(x, topk_ids, topk_weights, self._bank or self.experts.weights())
+            if self.config.hyper_expert is not None:
+                out = out + self._hyper_experts(x, topk_ids)
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.config.shared_expert_gate:
                 shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
         return out
+
+    def _hyper_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """HyperMoE's adapter of each token's selected set, weight 1, grouped by set as experts are."""
+        pattern = pattern_index(topk_ids, self.config.num_experts)[:, None]  # [T, 1]
+        ones = torch.ones(pattern.shape, dtype=torch.float32, device=x.device)
+        return ops.moe_experts(x, pattern, ones, self._hyper_bank or self.hyper.weights())
 
     def _forward_merged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One routing decision per sequence from the mean of its tokens; every token of the sequence then

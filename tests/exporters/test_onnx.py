@@ -37,6 +37,17 @@ def _tiny_lm(router: RouterConfig, **overrides):
     return lm_config(moe=moe, **overrides)
 
 
+def _hypermoe_lm(k: int):
+    """HyperMoE at its trained k: one adapter per selected set (C(4, 2) = 6 at k = 2)."""
+    moe = moe_config(
+        router=RouterConfig("hyper_expert", normalize=False),
+        layers=(0, 1),
+        experts_per_token=ExpertsPerToken(default=k, min=k, max=k),
+        hyper_expert=FFNConfig("adapter", 8, "relu", use_bias=True),
+    )
+    return lm_config(moe=moe)
+
+
 def _hf_artifact(name: str, root: Path) -> Path:
     from moe_serve.exporters.hf import export_hf
     from tests.exporters.hf_models import save_hf_model
@@ -51,6 +62,7 @@ LM_MODELS = {
         root / "a", _tiny_lm(RouterConfig("topk_softmax", normalize=False)), seed=2
     ),
     "topk-uniform": lambda root: create_random_artifact(root / "a", _tiny_lm(RouterConfig("topk_uniform")), seed=3),
+    "hyper-expert-k2": lambda root: create_random_artifact(root / "a", _hypermoe_lm(2), seed=6),  # HyperMoE
     "mixtral": lambda root: _hf_artifact("mixtral", root),  # imported: GQA, SwiGLU experts, RMSNorm
     "qwen2-moe": lambda root: _hf_artifact("qwen2_moe", root),  # unnormalised, gated shared expert, a dense layer
     "qwen3-moe": lambda root: _hf_artifact("qwen3_moe", root),  # per-head q/k norm, YaRN rotary
@@ -232,7 +244,7 @@ def test_models_the_graph_cannot_express_are_refused_naming_the_feature(unknown_
         "similarity": "router kind 'similarity' keeps per-token routing state in the KV cache "
         r"\(graph-of-tokens routing",
         "test_expert_choice": "router kind 'test_expert_choice' has no ONNX graph; export-onnx expresses "
-        "topk_softmax, topk_uniform, soft_merge",
+        "topk_softmax, topk_uniform, soft_merge, hyper_expert",
     }
     for kind, message in messages.items():
         artifact = create_random_artifact(tmp_path / kind, _tiny_lm(RouterConfig(kind)))

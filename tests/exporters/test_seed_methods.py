@@ -4,6 +4,7 @@ give the same logits (fp32, 1e-5) at every k the artifact allows; wrong inputs f
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,15 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             )
 
 
-def make_lm(tmp_path: Path, method: str, seed: int = 0) -> tuple[MemTransformerLM, Path]:
+# HyperMoE trains top-1, as every run of the paper (Switch routing).
+METHOD_TXL = {
+    "hypermoe": dict(top_k_min=1, top_k_max=1, experts_embedding_dim=12, hypernetwork_bottleneck=20, adapter_dim=6)
+}
+
+
+def make_lm(tmp_path: Path, method: str, seed: int = 0, **overrides) -> tuple[MemTransformerLM, Path]:
     torch.manual_seed(seed)
-    model = MemTransformerLM(TXLConfig(method=method, **TXL))
+    model = MemTransformerLM(TXLConfig(method=method, **{**TXL, **METHOD_TXL.get(method, {}), **overrides}))
     randomize(model, seed)
     model.crit.out_layers[0].weight = model.word_emb.emb_layers[0].weight  # randomize() keeps the tie; be explicit
     model.eval()
@@ -63,7 +70,8 @@ def test_transformer_xl_fold_matches_training_module_at_every_k(tmp_path: Path, 
     model, ckpt = make_lm(tmp_path, transformer_xl.METHODS[fmt])
     llm = LLM(transformer_xl.export(fmt, ckpt, tmp_path / "artifact"))
     tokens = torch.randint(0, 257, (3, 40), generator=torch.Generator().manual_seed(1))
-    ks = [None] if fmt == "txl-dense" else range(1, TXL["num_experts"] + 1)
+    moe = llm.config.moe
+    ks = [None] if moe is None else range(moe.min_k, moe.max_k + 1)  # every k the artifact allows
     for k in ks:
         if k is not None:
             model.set_top_k(k)
@@ -191,3 +199,78 @@ def test_hyperrouter_k_schedule_is_linear_from_half_to_all() -> None:
 
     ks = [k_schedule(step, 9, 4, 8) for step in range(9)]
     assert ks[0] == 4 and ks[-1] == 8 and ks == sorted(ks)
+
+
+# ---- HyperMoE ------------------------------------------------------------------------------------------
+
+
+def _hypermoe_logits(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]:
+    k = llm.config.moe.default_k
+    with torch.inference_mode():
+        hidden, lens = llm.engine.runner.forward_sequences(sequences, [k] * len(sequences))
+        return list(llm.artifact.model.lm_logits(hidden).split(lens))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_hypermoe_fold_matches_the_released_per_token_generation_on_a_padded_batch(tmp_path: Path, k: int) -> None:
+    """k = 1 (every run of the paper: one adapter per expert) and k = 2 (one per selected pair, C(4, 2))."""
+    model, ckpt = make_lm(tmp_path, "hypermoe", top_k_min=k, top_k_max=k)
+    llm = LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact"))
+    assert llm.artifact.model.layers[0].moe.hyper.num_experts == math.comb(TXL["num_experts"], k)
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(0, 257, (n,), generator=generator).tolist() for n in (40, 17, 3)]
+    for tokens, actual in zip(sequences, _hypermoe_logits(llm, sequences), strict=True):
+        with torch.no_grad():
+            expected = model(torch.tensor([tokens]))[0]  # each sequence alone; the runtime packs them
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    provenance = json.loads((tmp_path / "artifact" / "config.json").read_text())["provenance"]
+    assert "dropless" in provenance["folded"] and "router jitter" in provenance["folded"]
+    names = set(load_file(tmp_path / "artifact" / "model.safetensors"))
+    assert not any("param_gen" in n or "n_experts_embedding" in n or "embedding_process" in n for n in names)
+
+
+def test_each_table_entry_is_the_generators_output_for_its_set(tmp_path: Path) -> None:
+    from moe_serve.layers.routers.hyper_expert import selected_sets
+
+    model, ckpt = make_lm(tmp_path, "hypermoe", top_k_min=2, top_k_max=2)
+    block = LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact")).artifact.model.layers[2].moe
+    x = torch.randn(5, TXL["d_model"], generator=torch.Generator().manual_seed(6))
+    for pattern, chosen in enumerate(selected_sets(TXL["num_experts"], 2)):
+        with torch.no_grad():
+            want = model.layers[2].pos_ff.hyper_expert(x, torch.tensor([chosen] * len(x)))
+        bank = block.hyper
+        h = torch.relu(x @ bank.down.weight[pattern].T + bank.down.bias[pattern])
+        torch.testing.assert_close(h @ bank.up.weight[pattern].T + bank.up.bias[pattern], want, atol=1e-6, rtol=1e-5)
+
+
+def test_hypermoe_negative_controls_fail_the_fold(tmp_path: Path, monkeypatch) -> None:
+    """The fold test can fail: tables built with the paper's mean instead of the code's sum, or from the
+    selected instead of the unselected experts' embeddings, give other logits."""
+    model, ckpt = make_lm(tmp_path, "hypermoe")
+    sequences = [torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(7)).tolist()]
+    with torch.no_grad():
+        expected = model(torch.tensor(sequences))[0]
+    released = transformer_xl.embedding_weights
+    controls = {
+        "mean": lambda sets, n: released(sets, n) / (n - len(sets[0])),
+        "selected": lambda sets, n: 1.0 - released(sets, n),
+    }
+    for name, weights in controls.items():
+        monkeypatch.setattr(transformer_xl, "embedding_weights", weights)
+        llm = LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / f"artifact-{name}"))
+        (actual,) = _hypermoe_logits(llm, sequences)
+        assert (actual - expected).abs().max() > 1e-3, name
+    monkeypatch.setattr(transformer_xl, "embedding_weights", released)
+    (actual,) = _hypermoe_logits(LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact")), sequences)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_hypermoe_serves_only_its_trained_k(tmp_path: Path) -> None:
+    from moe_serve import SamplingParams
+    from moe_serve.errors import ValidationError
+
+    _, ckpt = make_lm(tmp_path, "hypermoe")
+    llm = LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact"))
+    with pytest.raises(ValidationError, match="experts_per_token must be between 1 and 1, got 2"):
+        llm.generate(["x"], SamplingParams(max_tokens=1, experts_per_token=2))
+    assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -31,8 +33,10 @@ EXPERTS = {
 }
 
 
-def make_block(router: RouterConfig, expert: FFNConfig, seed: int = 0, **moe_kwargs) -> MoEBlock:
-    config = MoEConfig(N, (0,), expert, router, ExpertsPerToken(default=2), **moe_kwargs)
+def make_block(
+    router: RouterConfig, expert: FFNConfig, seed: int = 0, k: ExpertsPerToken | None = None, **moe_kwargs
+) -> MoEBlock:
+    config = MoEConfig(N, (0,), expert, router, k or ExpertsPerToken(default=2), **moe_kwargs)
     block = MoEBlock(config, D, 1e-5)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -93,6 +97,24 @@ def test_shared_expert_with_sigmoid_gate_matches_reference() -> None:
     )
     x, mask = batch(seed=5)
     ks = [2, 4, 1, 6]
+    expected = reference_moe(block, x, mask, ks)
+    torch.testing.assert_close(run(block, x, mask, ks) * mask[..., None], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_hyper_expert_adds_the_adapter_of_each_tokens_selected_set(k: int) -> None:
+    """HyperMoE at its trained k (Switch weighting: the chosen experts' full-softmax probabilities), the
+    adapter table indexed by the selected set, against the reference."""
+    block = make_block(
+        RouterConfig("hyper_expert", normalize=False),
+        EXPERTS["mlp_relu_bias"],
+        seed=7,
+        k=ExpertsPerToken(default=k, min=k, max=k),
+        hyper_expert=FFNConfig("adapter", 6, "relu", use_bias=True),
+    )
+    assert block.hyper.num_experts == math.comb(N, k)
+    x, mask = batch(seed=8)
+    ks = [k] * x.shape[0]
     expected = reference_moe(block, x, mask, ks)
     torch.testing.assert_close(run(block, x, mask, ks) * mask[..., None], expected, atol=1e-5, rtol=1e-5)
 
