@@ -199,6 +199,8 @@ class RouterConfig:
     use_bias: bool = False  # router linear bias (HyperRouter's folded b_r)
     input_norm: NormKind | None = None  # soft_merge: norm applied to the pooled input (SMEAR's LN_in)
     tau: float = 1.0  # similarity: temperature of the token-similarity softmax (x_i . x_j / tau)
+    sigma: float = 1.0  # attention: width of the likelihood term exp(-||x~_i - W^h x_j||^2 / (2 sigma^2))
+    heads: tuple[int, ...] = ()  # attention: h*, the head each MoE layer routes by (in moe.layers order)
 
     def __post_init__(self) -> None:
         from moe_serve.layers.routers import router_kinds  # the registry: every kind with a module
@@ -207,6 +209,7 @@ class RouterConfig:
         if self.input_norm is not None:
             _check_choice("router input_norm", self.input_norm, NORM_KINDS)
         _check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
+        _check_float("router sigma", self.sigma, 0.0, 1e6, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +412,13 @@ class ModelConfig:
                 raise ConfigError(
                     f"moe.layers must be distinct layer indices in 0..{self.num_layers - 1}; got "
                     f"{list(self.moe.layers)}"
+                )
+            heads = self.moe.router.heads
+            valid = all(isinstance(h, int) and 0 <= h < self.num_heads for h in heads)
+            if self.moe.router.kind == "attention" and (len(heads) != len(self.moe.layers) or not valid):
+                raise ConfigError(
+                    f"router kind attention needs router.heads: one head in 0..{self.num_heads - 1} per MoE layer "
+                    f"(its h*, in moe.layers order; {len(self.moe.layers)} layers); got {list(heads)}"
                 )
             if self.moe.router.kind == "soft_merge" and self.task != "sequence_classification":
                 raise ConfigError(

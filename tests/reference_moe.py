@@ -169,3 +169,28 @@ def reference_moe(
                     y = y * torch.sigmoid(torch.dot(block.shared_expert_gate.weight[0].double(), x[b, l].double()))
                 out[b, l] = out[b, l] + y.to(x.dtype)
     return out
+
+
+def attention_aware_mix(
+    q: torch.Tensor,  # [n, Dh] head h's queries (as the attention kernel saw them)
+    k: torch.Tensor,  # [n, Dh] its key/value group's keys
+    v: torch.Tensor,  # [n, Dh] and values
+    positional: torch.Tensor | None,  # [n, n] the Transformer-XL term q_rel_i . r_k[i - j], or None
+    scale: float,
+    w_o: torch.Tensor,  # [D, Dh] head h's slice of the output projection
+    x: torch.Tensor,  # [n, D] the MoE layer's inputs
+    probs: torch.Tensor,  # [n, N] the router's softmax of each token
+    sigma: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention-aware routing of one sequence from Lemma 1, every matrix written out: the head's attention
+    A (causal softmax of its scores), the likelihood L_ij = exp(-||x_i - W_O v_j||^2 / (2 sigma^2)), the
+    posterior A^ = A L / sum_j A L -> Q = A^ P [n, N]."""
+    q, k, v, w_o, x, probs = (t.double() for t in (q, k, v, w_o, x, probs))
+    scores = q @ k.T + (0 if positional is None else positional.double())
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    attention = torch.softmax(scores * scale, dim=-1)
+    distance = ((x[:, None, :] - (v @ w_o.T)[None, :, :]) ** 2).sum(-1)  # [n, n] ||x_i - W_O v_j||^2
+    posterior = attention * torch.exp(-(distance - distance.min(dim=1, keepdim=True).values) / (2 * sigma**2))
+    return (posterior / posterior.sum(dim=1, keepdim=True)) @ probs

@@ -11,6 +11,8 @@ distance between query and key positions (a table of every distance, computed on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -89,6 +91,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [T, D] -> [T, D]; this step's keys and values go into the layer's cache when there is one."""
+        return self.forward_with_inputs(x, batch, layer)[0]
+
+    def forward_with_inputs(
+        self, x: torch.Tensor, batch: ForwardBatch, layer: int
+    ) -> tuple[torch.Tensor, AttentionInputs]:
+        """forward, and what the attention computed from: for a router that reads the layer's attention."""
         if self._qkv is None:
             self.prepare()
         t = x.shape[0]
@@ -113,7 +121,22 @@ class Attention(nn.Module):
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
-        return ops.linear(out.reshape(t, h * dh), *self._o)  # type: ignore[misc]
+        inputs = AttentionInputs(q, k, v, relative, self.scale, cache, self.o_proj.weight)
+        return ops.linear(out.reshape(t, h * dh), *self._o), inputs  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionInputs:
+    """One layer's attention in a step, as its kernel saw it: score(i, j) = scale * (q_i . k_j + q_rel_i .
+    r_k[i - j]) over each query's visible keys, which are the cache's (or, without one, the step's own)."""
+
+    q: torch.Tensor  # [T, H, Dh] (rotated; with Transformer-XL's r_w_bias added)
+    k: torch.Tensor  # [T, G, Dh] this step's keys (rotated), already in the cache when there is one
+    v: torch.Tensor  # [T, G, Dh]
+    relative: ops.RelativeTerm | None
+    scale: float
+    cache: tuple[torch.Tensor, torch.Tensor] | None  # the layer's paged keys and values
+    o_weight: torch.Tensor  # [D, H * Dh] the output projection (head h's slice: W_O^h)
 
 
 def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
+from moe_serve.layers.attention import AttentionInputs
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN, ExpertBank
 from moe_serve.layers.norm import make_norm
@@ -67,15 +68,18 @@ class MoEBlock(nn.Module):
         self._bank = self.experts.weights()
         self._hyper_bank = self.hyper.weights() if self.config.hyper_expert is not None else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, layer: int, attention: AttentionInputs | None = None
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]; attention: the same layer's attention, for a router that reads it."""
         if self.routing.per_sequence:
             out = self._forward_merged(x, batch)
         else:
             state = None
             if self._stateful:
                 cache = batch.router_states[layer] if batch.router_states else None
-                state = RouterState(cache, batch.attention, batch.block_size, x)
+                moe_layer = self.config.layers.index(layer) if layer in self.config.layers else 0
+                state = RouterState(cache, batch.attention, batch.block_size, x, attention, moe_layer)
             logits = self.router_logits(x)
             top_k = batch.top_k
             if batch.adaptive_k is not None:  # only kinds with top_p_defined get here (moe_serve.engine.inputs)

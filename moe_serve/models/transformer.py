@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
-from moe_serve.layers.attention import Attention
+from moe_serve.layers.attention import Attention, AttentionInputs
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN
 from moe_serve.layers.moe import MoEBlock
@@ -34,16 +34,23 @@ class DecoderLayer(nn.Module):
         else:
             self.ffn = FFN(config.ffn, config.hidden_size)
 
-    def _ffn(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.moe(x, batch, self.index) if self.is_moe else self.ffn(x)
+    def _ffn(self, x: torch.Tensor, batch: ForwardBatch, attention: AttentionInputs | None) -> torch.Tensor:
+        return self.moe(x, batch, self.index, attention) if self.is_moe else self.ffn(x)
+
+    def _attn(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionInputs | None]:
+        if self.is_moe and self.moe.routing.reads_attention:
+            return self.attn.forward_with_inputs(x, batch, self.index)
+        return self.attn(x, batch, self.index), None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """h [T, D] -> [T, D]."""
         if self.is_pre_norm:
-            h = h + self.attn(self.attn_norm(h), batch, self.index)
-            return h + self._ffn(self.ffn_norm(h), batch)
-        h = self.attn_norm(h + self.attn(h, batch, self.index))
-        return self.ffn_norm(h + self._ffn(h, batch))
+            out, attention = self._attn(self.attn_norm(h), batch)
+            h = h + out
+            return h + self._ffn(self.ffn_norm(h), batch, attention)
+        out, attention = self._attn(h, batch)
+        h = self.attn_norm(h + out)
+        return self.ffn_norm(h + self._ffn(h, batch, attention))
 
 
 class MoETransformer(nn.Module):

@@ -8,6 +8,13 @@ from __future__ import annotations
 from moe_serve.layers.routers.base import Router, RouterState, register, router_class, router_kinds
 
 # Importing the built-in kinds registers them.
-from moe_serve.layers.routers import hyper_expert, similarity, soft_merge, topk_softmax, topk_uniform  # noqa: E402, F401  isort: skip
+from moe_serve.layers.routers import (  # noqa: E402, F401  isort: skip
+    attention_aware,
+    hyper_expert,
+    similarity,
+    soft_merge,
+    topk_softmax,
+    topk_uniform,
+)
 
 __all__ = ["Router", "RouterState", "register", "router_class", "router_kinds"]

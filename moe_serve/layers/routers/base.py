@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from moe_serve.kernels.ops import AttentionBatch
+    from moe_serve.layers.attention import AttentionInputs
     from moe_serve.model_config import RouterConfig
 
 _REGISTRY: dict[str, type[Router]] = {}
@@ -50,6 +51,8 @@ class RouterState:
     batch: AttentionBatch  # the step's tokens: sequences, positions, block tables, slot mapping
     block_size: int
     inputs: torch.Tensor | None = None  # [T, D] the MoE layer's input of each token of the step
+    attention: AttentionInputs | None = None  # the same layer's attention (kinds with reads_attention)
+    moe_layer: int = 0  # this block's position in moe.layers (per-layer router settings are in that order)
 
     def rows_of(self, seq: int, num_tokens: int) -> torch.Tensor:
         """The state rows of a sequence's first num_tokens tokens, in order: [num_tokens] int64."""
@@ -65,6 +68,8 @@ class Router(ABC):
     # by the full softmax of its own router logits, largest first, so "experts in order of router
     # probability" is its own order. Off unless a kind says so: requests with a policy are then refused.
     top_p_defined: bool = False
+    # Whether the kind reads the same layer's attention (its queries, keys, values, scores): RouterState.attention.
+    reads_attention: bool = False
 
     def __init__(self, config: RouterConfig, num_experts: int) -> None:
         self.config = config

@@ -1,0 +1,92 @@
+"""`attention`: Attention-Aware routing (graph-of-tokens, A2 routing; method card graph_routing.md §8,
+binding). Each token mixes the router distributions of its sequence's tokens so far, weighted by the
+posterior attention of one head h* of the same layer (fixed per layer: `router.heads`, policy A):
+
+    p_j     = softmax(W_g x~_j + b_g)                      x~ = the MoE layer's input, fp32
+    c_j     = ||W_O^h v_j||^2                              v_j = head h's value of token j, W_O^h its slice of o_proj
+    k_ij    = s_ij + (W_O^hT x~_i) . v_j / sigma^2 - c_j / (2 sigma^2)
+    A^_i.   = softmax_j k_ij over the attention's support, causal (j <= i)
+    q_i     = sum_j A^_ij p_j;  top-k of q_i (ties to the lower id), weights q_i[idx] / sum q_i[idx]
+
+with s_ij exactly the backbone's score for head h (scale, rotary or Transformer-XL relative terms
+included). This is Lemma 1's posterior A^ = A L / sum(A L) with the likelihood L = exp(-||x~_i - W_O^h
+v_j||^2 / (2 sigma^2)): the row-constant ||x~_i||^2 cancels in the softmax.
+
+State per token per MoE layer in the paged cache: p_j and c_j (N + 1 floats); keys and values are read
+from the layer's own KV cache, so prefill, chunks, decode, a prefix-cache hit and recomputation route
+alike. Causal and per request, one sequence at a time (a row never depends on its batch). q does not
+depend on k: every k is defined, only the trained k (the model's default) is validated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_serve.kernels import ops
+from moe_serve.layers.routers.base import Router, RouterState, register
+
+
+@register("attention")
+class AttentionAware(Router):
+    reads_attention = True
+
+    @classmethod
+    def state_size(cls, num_experts: int, hidden_size: int) -> int:
+        return num_experts + 1  # p_j, then c_j
+
+    def route(
+        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if state is None or state.inputs is None or state.attention is None:
+            raise ValueError("attention-aware routing needs the layer's attention and the step's tokens")
+        head = self.config.heads[state.moe_layer]
+        return ops.topk_route(mix(logits, state, head, self.config.sigma).log(), top_k, max_k, "softmax_chosen")
+
+    @classmethod
+    def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
+        return k != trained_k
+
+
+def mix(logits: torch.Tensor, state: RouterState, head: int, sigma: float) -> torch.Tensor:
+    """q [T, N] fp32: each token's mix of its sequence's router distributions by head `head`'s posterior
+    attention."""
+    att = state.attention
+    assert att is not None and state.inputs is not None
+    num_heads, num_kv_heads, dh = att.q.shape[1], att.k.shape[1], att.q.shape[2]
+    group = head // (num_heads // num_kv_heads)
+    w_o = att.o_weight[:, head * dh : (head + 1) * dh].float()  # [D, Dh]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, N]
+    cost = (att.v[:, group].float() @ w_o.T).pow(2).sum(-1)  # c_j [T]
+    u = state.inputs.float() @ w_o  # W_O^hT x~_i [T, Dh]
+    batch, cache = state.batch, state.cache
+    if cache is not None:
+        cache.index_copy_(0, batch.slot_mapping, torch.cat([probs, cost[:, None]], dim=1))  # type: ignore[arg-type]
+    mixed = torch.empty_like(probs)
+    start = 0
+    for seq, n in enumerate(batch.seq_lens):
+        total = batch.num_keys_host[seq]
+        rows = slice(start, start + n)
+        if cache is not None:
+            assert att.cache is not None
+            keys, values = ops.gather_sequence(att.cache, batch.block_tables[seq], total)  # type: ignore[index]
+            stored = cache.index_select(0, state.rows_of(seq, total))
+            past_probs, past_cost = stored[:, :-1], stored[:, -1]
+        else:
+            assert total == n, "without a cache every sequence is whole in the step"
+            keys, values, past_probs, past_cost = att.k[rows], att.v[rows], probs[rows], cost[rows]
+        keys, values = keys[:, group].float(), values[:, group].float()  # [t, Dh]
+        query_pos = batch.positions[rows]
+        key_pos = torch.arange(total, device=keys.device)
+        scores = att.q[rows, head].float() @ keys.T  # [n, t]
+        if att.relative is not None:
+            distance = (query_pos[:, None] - key_pos[None, :] + att.relative.offset).clamp(
+                0, att.relative.r_k.shape[0] - 1
+            )
+            r_k = att.relative.r_k[:, head].float()[distance]  # [n, t, Dh]
+            scores = scores + torch.einsum("nd,ntd->nt", att.relative.q_rel[rows, head].float(), r_k)
+        kappa = scores * att.scale + (u[rows] @ values.T - past_cost[None, :] / 2) / sigma**2
+        visible = key_pos[None, :] <= query_pos[:, None]
+        weights = torch.softmax(kappa.masked_fill(~visible, float("-inf")), dim=-1)
+        mixed[rows] = weights @ past_probs
+        start += n
+    return mixed
