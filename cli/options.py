@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import AUTO
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -28,7 +29,7 @@ def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str
         elif base == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = parse_size if meta.get("type") == "size" else _TYPES.get(base, str)
+            kwargs["type"] = _PARSERS.get(meta.get("type")) or _TYPES.get(base, str)
             kwargs["choices"] = meta.get("choices")
             kwargs["metavar"] = f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -77,3 +78,16 @@ def parse_size(text: str) -> int:
     if not match or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GB, 1073741824)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_k(text: str) -> int | str:
+    """A request's k on the command line: a number of experts, or "auto" (the server's latency target)."""
+    if text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'not a k: {text!r} (a number of experts, or "auto")') from None
+
+
+_PARSERS = {"size": parse_size, "k": parse_k}

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from moe_serve.batch.options import BatchOptions
-from moe_serve.cli.options import add_options
+from moe_serve.cli.options import add_options, parse_k
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.exporters import FORMATS
 from moe_serve.exporters.dtypes import STORAGE_DTYPES
@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         _model_arguments(sub)
         sub.add_argument("texts", nargs="+", metavar="TEXT")
         sub.add_argument(
-            "--experts-per-token", "-k", type=int, default=None, help="active experts per token (default: the model's)"
+            "--experts-per-token",
+            "-k",
+            type=parse_k,
+            default=None,
+            help='active experts per token, or "auto" (with --target-itl-ms) (default: the model\'s)',
         )
 
     batch = commands.add_parser("batch", help="OpenAI Batch JSONL in, results out (resumable, k sweeps)")

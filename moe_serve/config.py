@@ -10,7 +10,7 @@ import torch
 
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
-from moe_serve.validation import check_int
+from moe_serve.validation import check_int, check_number
 
 BACKENDS = ("torch", "onnxruntime")  # what runs the forward pass: moe_serve.engine.backend
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,6 +44,14 @@ class EngineConfig:
         3.0, "while sequences decode, a step that prefills a prompt chunk costs at most this many decode steps"
     )
     max_waiting: int = option(256, "requests queued per model before new ones are refused with 429")
+    target_itl_ms: float | None = option(
+        None,
+        'inter-token latency target (ms) for requests with experts_per_token "auto": each step the engine runs '
+        "them at the highest k that holds it at the current load, and lowers k before it refuses work",
+    )
+    target_ttft_ms: float | None = option(
+        None, 'with --target-itl-ms: also lower "auto" k while the time to first token runs over this (ms)'
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "kv_cache_memory"):
@@ -58,6 +66,16 @@ class EngineConfig:
         if self.backend not in BACKENDS:
             raise ValidationError(
                 f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}", parameter="backend"
+            )
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), 0.0, 3_600_000.0)
+                if getattr(self, name) == 0:
+                    raise ValidationError(f"{name} must be greater than 0, got 0", parameter=name)
+        if self.target_ttft_ms is not None and self.target_itl_ms is None:
+            raise ValidationError(
+                'target_ttft_ms needs target_itl_ms (the latency target that enables experts_per_token "auto")',
+                parameter="target_ttft_ms",
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(

@@ -481,14 +481,15 @@ class ModelConfig:
         return tuple(sorted(self.moe.layers)) if self.moe is not None else ()
 
     def reported_k(self, k: int | KSpec) -> int | None:
-        """The k a result reports: None for a model without MoE layers, where k means nothing, and for a
-        top-p policy, whose tokens each took their own k (reported as a mean, ExpertCounts)."""
+        """The k a result reports: None for a model without MoE layers, where k means nothing, for a top-p
+        policy, whose tokens each took their own k, and for "auto", whose steps each ran at their own k
+        (both reported as a mean, ExpertCounts)."""
         spec = KSpec.of(k)
-        return spec.k if self.moe is not None and not spec.adaptive else None
+        return spec.k if self.moe is not None and not spec.k_varies else None
 
     def is_approximate(self, k: int | KSpec) -> bool:
         """Whether results at k are an approximation of the trained method (flagged in responses); under
-        a top-p policy, whether any k its tokens may take is."""
+        a top-p policy or "auto" as requested, whether any k its tokens may take is."""
         spec = KSpec.of(k)
         return self.moe is not None and any(self.moe.is_approximate(n) for n in range(spec.lowest, spec.k + 1))
 

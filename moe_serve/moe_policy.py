@@ -3,8 +3,9 @@ engine runs every request with.
 
 `MoEPolicy` is what a request asks for, checked on its own (errors name `moe.<field>`); the HTTP schema
 (moe_serve.api.protocol) declares the same ranges. `KSpec` is the request's k once resolved against a
-model (moe_serve.engine.inputs): a fixed k, or top-p between min_k and k. The engine and the MoE layers
-only ever see a KSpec.
+model (moe_serve.engine.inputs): a fixed k, top-p between min_k and k, or "auto" (the engine sets k
+each step from its latency target: moe_serve.engine.auto_k). The engine and the MoE layers only ever see
+a KSpec.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from moe_serve.errors import ValidationError
 from moe_serve.validation import check_int, check_number
 
 POLICIES = ("top_p",)
+AUTO = "auto"  # experts_per_token: "auto": the server picks k under its latency target
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +94,21 @@ class MoEPolicy:
 @dataclass(frozen=True, slots=True)
 class KSpec:
     """How many experts each token of a request takes: exactly `k`, or (top_p set) the fewest whose router
-    probability reaches top_p, between min_k and k. `k` is also the width the layers route with."""
+    probability reaches top_p, between min_k and k. `k` is also the width the layers route with.
+
+    `auto`: the server chooses k. As resolved for a request, min_k..k is the range it may choose from
+    (the model's); before each step the engine gives the sequence KSpec(k_now, auto=True), the k that
+    step runs it with (so a step still sees one exact k per row, and batch invariance holds per step)."""
 
     k: int
     top_p: float | None = None
-    min_k: int | None = None  # with top_p only
+    min_k: int | None = None  # with top_p, or the lowest k "auto" may choose
+    auto: bool = False
+
+    @classmethod
+    def auto_at(cls, k: int) -> KSpec:
+        """An "auto" sequence's spec for one step: it runs at exactly k."""
+        return cls(k, auto=True)
 
     @classmethod
     def of(cls, value: int | KSpec) -> KSpec:
@@ -118,10 +130,16 @@ class KSpec:
         return self.top_p if self.top_p is not None and self.top_p < 1.0 else math.inf
 
     @property
+    def k_varies(self) -> bool:
+        """Whether the request left its k to the model or the server (a top-p policy, or "auto"): then
+        results report the mean k its tokens took, not one k."""
+        return self.adaptive or self.auto
+
+    @property
     def policy(self) -> str:
-        return "top_p" if self.adaptive else "fixed"
+        return "top_p" if self.adaptive else AUTO if self.auto else "fixed"
 
     @property
     def label(self) -> str:
-        """Metric label: the fixed k, or the policy's name."""
-        return self.policy if self.adaptive else str(self.k)
+        """Metric label: the fixed k, or the policy's name ("top_p", "auto")."""
+        return self.policy if self.k_varies else str(self.k)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_serve.errors import ValidationError
-from moe_serve.moe_policy import MoEPolicy
+from moe_serve.moe_policy import AUTO, MoEPolicy
 from moe_serve.options import option
 from moe_serve.validation import check_int, check_number
 
@@ -39,8 +39,12 @@ class SamplingParams:
     )
     n: int = option(1, "completions per prompt", flags=("-n",))
     logprobs: int | None = option(None, "also return each generated token's log-probability and this many alternatives")
-    experts_per_token: int | None = option(
-        None, "the request's k, active experts per token (default: the model's)", flags=("-k",)
+    experts_per_token: int | str | None = option(
+        None,
+        'the request\'s k, active experts per token, or "auto" (the server picks k under its --target-itl-ms) '
+        "(default: the model's)",
+        flags=("-k",),
+        type="k",
     )
     moe: MoEPolicy | None = option(
         None, "an adaptive k policy instead of experts_per_token: MoEPolicy or {'policy': 'top_p', 'p': ...}", cli=False
@@ -87,14 +91,15 @@ class SamplingParams:
                 f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters",
                 parameter="stop",
             )
-        if self.experts_per_token is not None:
+        if self.experts_per_token is not None and self.experts_per_token != AUTO:
             check_int("experts_per_token", self.experts_per_token, 1)
         if self.moe is not None and not isinstance(self.moe, MoEPolicy):
             raise ValidationError("moe must be a MoEPolicy", parameter="moe")
         if self.moe is not None and self.experts_per_token is not None:
+            auto = self.experts_per_token == AUTO
+            what = 'experts_per_token "auto" (the server picks k)' if auto else "experts_per_token (a fixed k)"
             raise ValidationError(
-                "give either experts_per_token (a fixed k) or moe (a policy choosing k per token), not both",
-                parameter="moe",
+                f"give either {what} or moe (a policy choosing k per token), not both", parameter="moe"
             )
         check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)

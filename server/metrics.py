@@ -1,7 +1,8 @@
 """Prometheus collectors (prefix moe_serve_, base units, `model` label; latency histograms by `k`, which is
-"top_p" for requests with a `moe` policy; the mean k of each request by policy) and the functions that
-record into them. Queue, cache, expert-load and quality figures are read from the served engines when
-Prometheus scrapes, so they are never stale. One registry per app, so tests can run several."""
+"top_p" for requests with a `moe` policy and "auto" for experts_per_token "auto"; the mean k of each
+request by policy; the k "auto" runs with now) and the functions that record into them. Queue, cache,
+expert-load, auto-k and quality figures are read from the served engines when Prometheus scrapes, so they
+are never stale. One registry per app, so tests can run several."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Metrics:
         self.generation_tokens = Counter("moe_serve_generation_tokens", "Tokens generated", ["model", "k"], registry=r)
         self.experts_per_token = histogram(
             "experts_per_token",
-            "Mean experts per token of each finished request (policy: fixed k, or an adaptive `moe` policy)",
+            "Mean experts per token of each finished request (policy: fixed, top_p, or auto)",
             ["policy"],
             EXPERT_BUCKETS,
         )
@@ -125,8 +126,15 @@ class _EngineCollector(Collector):
         share = gauge(
             "moe_serve_expert_load_max_share", "Largest expert's share of the load", labels=["model", "layer"]
         )
+        auto_k = gauge(
+            "moe_serve_auto_experts_per_token",
+            'The k that experts_per_token "auto" requests run with now (with --target-itl-ms)',
+            labels=["model"],
+        )
         for name, (engine, table) in self.models.items():
             running.add_metric([name], engine.num_running)
+            if engine.auto_k is not None:
+                auto_k.add_metric([name], engine.auto_k)
             waiting.add_metric([name], engine.num_waiting)
             kv.add_metric([name], engine.kv_cache_usage)
             allocated, used = engine.kv_cache_bytes
@@ -149,3 +157,4 @@ class _EngineCollector(Collector):
                 entropy.add_metric([name, str(layer)], normalised_entropy(counts))
                 share.add_metric([name, str(layer)], max_share(counts))
         yield from (running, waiting, kv, kv_bytes, prefix_queries, prefix_hits, quality, tokens, entropy, share)
+        yield auto_k

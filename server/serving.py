@@ -336,9 +336,9 @@ async def _unless_disconnected(http: Request, work: Any) -> Any:
 
 
 def k_label(reported_k: int | None, spec: KSpec) -> int | str | None:
-    """The k that metrics and the access log show: the fixed k, "top_p" under a `moe` policy, None for a
-    dense model."""
-    return spec.label if spec.adaptive else reported_k
+    """The k that metrics and the access log show: the fixed k, "top_p" under a `moe` policy, "auto" for
+    experts_per_token "auto", None for a dense model."""
+    return spec.label if spec.k_varies else reported_k
 
 
 def _annotate(state: Any, model: str, k: int | str | None, prompt_tokens: int) -> None:

@@ -73,6 +73,20 @@ def test_generate_json_reports_k_and_completions(make_artifact, run) -> None:
     assert all(c["num_tokens"] <= 5 for o in out for c in o["completions"])
 
 
+def test_k_auto_on_the_command_line(make_artifact, run, capsys) -> None:
+    path = str(make_artifact())
+    args = ("generate", path, "--prompt", "ROMEO.", "--max-tokens", "3", "-k", "auto", "--json")
+    out = json.loads(run(*args, "--target-itl-ms", "1000").stdout)
+    assert out[0]["experts_per_token"] is None and out[0]["completions"]  # "auto": no one fixed k
+    scored = json.loads(run("score", path, "To be", "-k", "auto", "--target-itl-ms", "1000", "--json").stdout)
+    assert scored[0]["experts_per_token"] is None and scored[0]["experts"]["tokens"] > 0
+    refused = run(*args, check=False)
+    assert refused.returncode == 2 and "needs a latency target" in refused.stderr
+    with pytest.raises(SystemExit) as exit_info:  # argparse: usage and the error
+        main(["generate", path, "--prompt", "x", "-k", "three"])
+    assert exit_info.value.code == 2 and "not a k: 'three'" in capsys.readouterr().err
+
+
 def test_score_and_classify(make_artifact, run) -> None:
     lm = make_artifact()
     scored = json.loads(run("score", str(lm), "To be, or not to be", "--json").stdout)

@@ -90,6 +90,19 @@ PANELS = [
         [(f"max by (k, metric, dataset) (moe_serve_quality{M})", "{{metric}} ({{dataset}}) k={{k}}")],
     ),
     (
+        'Experts per token: "auto" k now, and the mean k of finished requests by policy',
+        "timeseries",
+        "none",
+        [
+            (f"max by (model) (moe_serve_auto_experts_per_token{M})", "auto k now {{model}}"),
+            (
+                f"sum by (policy) (rate(moe_serve_experts_per_token_sum{M}{R}))"
+                f" / sum by (policy) (rate(moe_serve_experts_per_token_count{M}{R}))",
+                "mean k {{policy}}",
+            ),
+        ],
+    ),
+    (
         "Median latency against k (the other side of the trade-off)",
         "barchart",
         "s",

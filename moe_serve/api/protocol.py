@@ -45,6 +45,8 @@ Text = Annotated[str, AfterValidator(_utf8)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+# A request's k: a number of experts, or "auto" (the server picks k under its latency target).
+RequestK = Annotated[StrictInt, Field(ge=1)] | Literal["auto"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ class _SamplingFields(_Request):
         | None
     ) = None
     # --- vLLM's extensions, and moe-serve's (OpenAI clients send them through extra_body) ---
-    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    experts_per_token: RequestK | None = None
     moe: MoEPolicyRequest | None = None
     top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
@@ -257,14 +259,14 @@ class ChatCompletionRequest(_SamplingFields):
 class ClassifyRequest(_Request):
     model: Text | None = None
     input: Text | list[Text]
-    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    experts_per_token: RequestK | None = None
     moe: MoEPolicyRequest | None = None
 
 
 class ScoreRequest(_Request):
     model: Text | None = None
     input: Text | list[Text]
-    experts_per_token: Annotated[StrictInt, Field(ge=1)] | None = None
+    experts_per_token: RequestK | None = None
     moe: MoEPolicyRequest | None = None
     return_token_logprobs: StrictBool = False
 
@@ -313,9 +315,12 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
-    experts_per_token: int | None  # the fixed k used (None: a dense model, or a `moe` policy)
+    # The fixed k used (None: a dense model, a `moe` policy, or experts_per_token "auto", whose k the server
+    # chose step by step: see experts_per_token_mean).
+    experts_per_token: int | None
     approximate: bool | None = None  # soft_merge with k < N
-    # Mean experts per token over the tokens computed and every MoE layer (k for a fixed k; None: dense).
+    # Mean experts per token over the tokens computed and every MoE layer (k for a fixed k; under "auto", the
+    # mean of the k each step ran the request's tokens with; None: dense).
     experts_per_token_mean: float | None = None
     experts_per_token_details: ExpertsDetails | None = None  # with a `moe` policy
 

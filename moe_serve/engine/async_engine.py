@@ -155,6 +155,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, track_expert_load: bool = False) -> None:
         self.engine = engine
+        self._auto_k = engine.auto_k  # built now, before the engine thread and metric scrapes could both build it
         self.max_waiting = engine.config.max_waiting
         self.expert_load = ExpertLoad(engine.runner) if track_expert_load and engine.model_config.moe else None
         self._lock = threading.Condition()
@@ -207,6 +208,11 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences not yet running: in the scheduler's queue and not yet handed to it."""
         return self.engine.num_waiting + sum(s.num_sequences for s in self._inbox)
+
+    @property
+    def auto_k(self) -> int | None:
+        """The k that experts_per_token "auto" requests run with now (None: no --target-itl-ms, or dense)."""
+        return self._auto_k.current_k if self._auto_k is not None else None
 
     @property
     def num_requests(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from moe_serve.errors import ValidationError
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
-from moe_serve.moe_policy import KSpec, MoEPolicy
+from moe_serve.moe_policy import AUTO, KSpec, MoEPolicy
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.validation import check_int
@@ -26,6 +26,7 @@ class InputProcessor:
     block_size: int  # a sequence holds whole blocks
     max_step_tokens: int  # tokens in one engine step: a classified input must fit whole
     backend: str = "torch"  # what runs the model (EngineConfig.backend): per-token policies are torch-only
+    auto_k: bool = False  # the engine has a latency target (--target-itl-ms): experts_per_token "auto" is served
 
     def require_task(self, task: str, what: str) -> None:
         if self.config.task != task:
@@ -33,7 +34,7 @@ class InputProcessor:
                 f"{what} needs a {task} model; '{self.name}' is {self.config.task}", parameter="model"
             )
 
-    def resolve_k(self, value: int | None) -> int:
+    def resolve_k(self, value: int | str | None) -> int:
         """The request's k: validated against the model's range; the default when None."""
         moe = self.config.moe
         if moe is None:
@@ -49,9 +50,12 @@ class InputProcessor:
         check_int("experts_per_token", value, moe.min_k, moe.max_k)
         return value
 
-    def resolve(self, experts_per_token: int | None, policy: MoEPolicy | None) -> KSpec:
-        """The request's k spec: a fixed k (resolve_k), or a top-p policy checked against the model (its
-        router kind must define top-p; min and max default to, and must lie in, the model's k range)."""
+    def resolve(self, experts_per_token: int | str | None, policy: MoEPolicy | None) -> KSpec:
+        """The request's k spec: a fixed k (resolve_k), "auto" (resolve_auto), or a top-p policy checked
+        against the model (its router kind must define top-p; min and max default to, and must lie in, the
+        model's k range)."""
+        if experts_per_token == AUTO:
+            return self.resolve_auto(policy)
         if policy is None:
             return KSpec(self.resolve_k(experts_per_token))
         if experts_per_token is not None:  # SamplingParams says so too; classify and score come here directly
@@ -81,6 +85,32 @@ class InputProcessor:
         if low > high:
             raise ValidationError(f"moe.min ({low}) must not be greater than moe.max ({high})", parameter="moe.min")
         return KSpec(high, policy.p, low)
+
+    def resolve_auto(self, policy: MoEPolicy | None) -> KSpec:
+        """experts_per_token "auto": the server picks k each step, anywhere in the model's range, from its
+        latency target (moe_serve.engine.auto_k); refused without a target, on a dense model, and with a
+        `moe` policy (which chooses k per token itself)."""
+        moe = self.config.moe
+        if moe is None:
+            raise ValidationError(
+                f"experts_per_token was given but model '{self.name}' has no MoE layers",
+                parameter="experts_per_token",
+                value=AUTO,
+            )
+        if policy is not None:
+            raise ValidationError(
+                'give either experts_per_token "auto" (the server picks k) or moe (a policy choosing k per '
+                "token), not both",
+                parameter="moe",
+            )
+        if not self.auto_k:
+            raise ValidationError(
+                'experts_per_token "auto" needs a latency target, and this server has none: it was started '
+                "without --target-itl-ms",
+                parameter="experts_per_token",
+                value=AUTO,
+            )
+        return KSpec(moe.max_k, min_k=moe.min_k, auto=True)
 
     @property
     def max_text_chars(self) -> int:

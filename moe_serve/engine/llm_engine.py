@@ -8,6 +8,7 @@ finish that sequence with an error; the step goes on for the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -15,6 +16,7 @@ import torch
 
 from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine.auto_k import AutoKConfig, AutoKController
 from moe_serve.engine.backend import make_runner, model_dtype
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.detokenizer import IncrementalDetokenizer
@@ -64,6 +66,7 @@ class LLMEngine:
             config.block_size,
             config.max_num_batched_tokens,
             config.backend,
+            auto_k=config.target_itl_ms is not None,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
@@ -166,15 +169,41 @@ class LLMEngine:
         """Share of the KV-cache blocks held by sequences."""
         return self.blocks.num_used_blocks / max(self.blocks.num_blocks, 1)
 
+    @functools.cached_property
+    def auto_k(self) -> AutoKController | None:
+        """What picks the k of experts_per_token "auto" requests each step (None without --target-itl-ms,
+        or for a model without MoE layers)."""
+        moe = self.model_config.moe
+        if self.config.target_itl_ms is None or moe is None:
+            return None
+        return AutoKController(
+            AutoKConfig.from_ms(
+                self.config.target_itl_ms,
+                self.config.target_ttft_ms,
+                min_k=moe.min_k,
+                max_k=moe.max_k,
+                max_waiting=self.config.max_waiting,
+            )
+        )
+
+    _last_step_end: float | None = None  # when the previous step ended (the inter-token latency auto k sees)
+    _idle_since: float | None = None  # when a step last left nothing to run (auto k recovers while idle)
+
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that changed (a token, a result, or finished)."""
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
         started = time.monotonic()
+        auto_k = self.auto_k
+        if auto_k is not None and self._idle_since is not None:
+            auto_k.idle(started - self._idle_since)
+            self._idle_since = self._last_step_end = None
         for item in output.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = started
+            if auto_k is not None and item.seq.spec.auto:  # "auto" requests run this step at the current k
+                item.seq.routing = KSpec.auto_at(auto_k.current_k)
         result, failed = self._execute(output)
         for i, (tokens, per_layer) in result.experts.items():
             output.scheduled[i].seq.add_experts(tokens, per_layer)
@@ -202,8 +231,31 @@ class LLMEngine:
             seq.class_probs = probs
             self._finish(seq, "stop")
             changed.append(seq)
-        self.scheduler.costs.observe(output, time.monotonic() - started)
+        ended = time.monotonic()
+        self.scheduler.costs.observe(output, ended - started)
+        if auto_k is not None:
+            self._observe_auto_k(auto_k, output, result.sample_items, now, ended)
+            if not self.scheduler.has_unfinished():
+                self._idle_since = ended
         return changed
+
+    def _observe_auto_k(
+        self, auto_k: AutoKController, output: SchedulerOutput, sample_items: list[int], sampled: float, ended: float
+    ) -> None:
+        """Feed the step to the auto-k controller. The inter-token latency of the step's decoding sequences
+        is the time since the previous step ended (the engine steps back to back while anything runs, so
+        that is when they got their previous token): work between steps included, as clients see it.
+        A step that only prefills has no inter-token latency; prefill chunks in a decoding step count: they
+        delay those tokens (the scheduler bounds by how much: max_join_stall), and k changes their cost too."""
+        previous, self._last_step_end = self._last_step_end, ended
+        first_tokens = []
+        if auto_k.config.target_ttft is not None:
+            for i in sample_items:
+                seq = output.scheduled[i].seq
+                if len(seq.token_times) == 1 and seq.token_times[0] == sampled:  # its first token came now
+                    first_tokens.append(seq.token_times[0] - seq.arrival_time)
+        itl = ended - previous if previous is not None and output.num_decodes else None
+        auto_k.observe(itl, output.num_decodes, self.num_waiting, first_tokens)
 
     def _execute(self, output: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledSequence, BaseException]]]:
         """Run the step; if it fails, run each sequence alone so that only the ones that fail alone fail."""

@@ -61,6 +61,7 @@ class Sequence:
     # Tokens it computed and, under a policy, the experts they took per MoE layer: added after each step.
     expert_tokens: int = 0
     experts_per_layer: list[int] = field(default_factory=list)
+    auto_experts: int = 0  # experts_per_token "auto": the sum over steps of the step's k times its tokens
 
     def __post_init__(self) -> None:
         self.routing = KSpec.of(self.routing)
@@ -76,8 +77,11 @@ class Sequence:
 
     def add_experts(self, tokens: int, per_layer: list[int] | None) -> None:
         """A step's count: its tokens, and under a policy the experts they took per MoE layer (a fixed k's
-        follow from the tokens: see `experts`)."""
+        follow from the tokens: see `experts`; under "auto", the k the step ran it with, in every layer)."""
         self.expert_tokens += tokens
+        if self.spec.auto:
+            self.auto_experts += self.k * tokens
+            return
         if per_layer is None or not self.spec.adaptive:
             return
         if not self.experts_per_layer:
@@ -90,6 +94,8 @@ class Sequence:
             return None
         if self.spec.adaptive:
             per_layer = self.experts_per_layer or [0] * len(moe_layers)
+        elif self.spec.auto:
+            per_layer = [self.auto_experts] * len(moe_layers)
         else:
             per_layer = [self.k * self.expert_tokens] * len(moe_layers)
         return ExpertCounts(self.expert_tokens, tuple(zip(moe_layers, per_layer, strict=True)))
@@ -112,8 +118,10 @@ class Sequence:
 
     @property
     def cache_salt(self) -> int:
-        """What else than the tokens the cached keys and values depend on: the request's k spec."""
-        return hash(("k", self.routing))
+        """What else than the tokens the cached keys and values depend on: the request's k spec. An "auto"
+        sequence's blocks may hold keys computed at several k (k changes between steps): they are shared
+        only among "auto" sequences, never with a fixed k or a policy, whose results must not depend on load."""
+        return hash(("k", "auto")) if self.spec.auto else hash(("k", self.routing))
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,6 @@
 """GET /dashboard: a self-contained page (no CDN, no external script) with live latency by k, throughput,
-expert load and the served models' quality-vs-k curves; GET /dashboard/data is what it polls."""
+expert load, the served models' quality-vs-k curves and the k of "auto" requests over time; GET
+/dashboard/data is what it polls."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ async def dashboard_data(request: Request) -> dict:
         "generated_tokens": _total(metrics.generation_tokens.collect(), "moe_serve_generation_tokens_total"),
         "running": {name: m.engine.num_running for name, m in ctx.models.items()},
         "waiting": {name: m.engine.num_waiting for name, m in ctx.models.items()},
+        # The k experts_per_token "auto" runs with now, per model with a latency target: the page plots it
+        # over time.
+        "auto_k": {name: m.engine.auto_k for name, m in ctx.models.items() if m.engine.auto_k is not None},
         "expert_load": {
             name: {str(layer): counts for layer, counts in m.engine.expert_load.totals().items()}
             for name, m in ctx.models.items()

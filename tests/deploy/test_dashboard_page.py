@@ -1,5 +1,6 @@
 """GET /dashboard in headless Chromium (Debian's, driven by Playwright): the page loads with no external
-resource, its four charts render with data after traffic, and a screenshot is saved."""
+resource, its five charts (the k of "auto" requests over time among them) render with data after traffic,
+and a screenshot is saved."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moe_serve.config import EngineConfig
 from moe_serve.quality import QualityRow, QualityTable
 from moe_serve.server.settings import ServerSettings
 from tests.deploy.system import require_binary
@@ -35,7 +37,7 @@ def test_dashboard_renders_charts_with_data(artifacts) -> None:
     QualityTable(tuple(QualityRow("shakespeare", k, "bits_per_byte", 3.0 - 0.1 * k) for k in (1, 2, 4))).merge_into(
         artifacts["lm"] / "quality.json"
     )
-    server = start_server(ServerSettings(models=(str(artifacts["lm"]),)))
+    server = start_server(ServerSettings(models=(str(artifacts["lm"]),), engine=EngineConfig(target_itl_ms=1000)))
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             page_html = http.get("/dashboard").text
@@ -62,7 +64,7 @@ def test_dashboard_renders_charts_with_data(artifacts) -> None:
                 for _ in range(6):
                     http.post("/v1/completions", json={"prompt": "Exeunt.", "max_tokens": 8, "experts_per_token": 2})
                     page.wait_for_timeout(300)
-            for chart in ("latency", "throughput", "experts", "quality"):
+            for chart in ("latency", "throughput", "experts", "quality", "autok"):
                 page.wait_for_selector(f"#{chart}-card[data-rendered='true']", timeout=15000)
             assert "tiny-lm" in page.inner_text("#status")
             SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """deploy/ against the real thing: promtool checks prometheus.yml, a real Prometheus scrapes a running
-moe-serve, and every PromQL expression of the Grafana dashboard returns data after traffic at two k."""
+moe-serve, and every PromQL expression of the Grafana dashboard returns data after traffic at two k (and
+"auto")."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moe_serve.config import EngineConfig
 from moe_serve.quality import QualityRow, QualityTable
 from moe_serve.server.settings import ServerSettings
 from tests.deploy.system import require_binary
@@ -62,7 +64,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
         artifacts["lm"] / "quality.json"
     )
     key = "scrape-key"  # /metrics is protected with the API key, as in the compose deployment
-    server = start_server(ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"])), api_key=key))
+    # A latency target, so that "auto" is served and its k exported.
+    engine = EngineConfig(target_itl_ms=1000)
+    server = start_server(
+        ServerSettings(models=(str(artifacts["lm"]), str(artifacts["clf"])), api_key=key, engine=engine)
+    )
     config = scrape_config(tmp_path, server.url.removeprefix("http://"), key)
     port = free_port()
     process = subprocess.Popen(
@@ -89,6 +95,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                         "/v1/classify",
                         json={"model": "tiny-clf", "input": "Exit, pursued by a bear.", "experts_per_token": k},
                     )
+                auto = {"model": "tiny-lm", "prompt": "Act II.", "max_tokens": 8, "experts_per_token": "auto"}
+                assert http.post("/v1/completions", json=auto).status_code == 200
                 http.post("/v1/completions", json={"model": "tiny-lm", "prompt": "x", "experts_per_token": 99})
                 time.sleep(0.2)
         time.sleep(3)  # a few more scrapes
