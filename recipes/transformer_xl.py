@@ -1,4 +1,5 @@
-"""Training-time Transformer-XL language model with HyperRouter, SMoE, HyperMoE or dense FFNs.
+"""Training-time Transformer-XL language model with HyperRouter, SMoE, HyperMoE, graph-of-tokens routing
+(similarity, attention) or dense FFNs.
 
 Faithful to giangdip2410/HyperRouter (methods/hyperrouter.md): MemTransformerLM with relative partial
 attention (RelPartialLearnableMultiHeadAttn, post-LN), state-dict keys as in the official model
@@ -40,6 +41,9 @@ class TXLConfig:
     hypernetwork_bottleneck: int = 32  # H: the generator's hidden layer
     layer_emb_dim: int = 10
     adapter_dim: int = 16  # a: the HyperExpert's bottleneck
+    # Graph-of-tokens routing (methods similarity, attention; methods/graph_routing.md section 8):
+    graph_tau: float = 1.0  # similarity: x_i . x_j / tau
+    graph_sigma: float = 1.0  # attention: the likelihood's width
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +88,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         bd = self._rel_shift(torch.einsum("ibnd,jnd->ijbn", q + r_r_bias, r_head_k))
         score = (ac + bd) * self.scale
         score = score.masked_fill(attn_mask[:, :, None, None], float("-inf"))
+        self.last = (score, v)  # for an attention-aware router in the same layer (scores before dropout)
         prob = self.drop(F.softmax(score, dim=1))
         vec = torch.einsum("ijbn,jbnd->ibnd", prob, v).contiguous().view(qlen, bsz, -1)
         return self.layer_norm(w + self.drop(self.o_net(vec)))
@@ -246,6 +251,70 @@ class HyperMoEPositionwiseFF(nn.Module):
         return self.layer_norm(inp + self.drop(out.view_as(inp)))
 
 
+class GraphRoutingFF(nn.Module):
+    """Graph-of-tokens routing (methods/graph_routing.md section 8, binding: causal, per sequence, full
+    probabilities mixed), with every [T, T] matrix written out: the reference module the runtime's
+    routers are proven against. The gate is the SMoE baseline's (`gate.gate.weight/bias`).
+
+    similarity: S = causal row-softmax(x x^T / tau), Q = S P.
+    attention: A^ = causal row-softmax(s^h + (x W_O^h) . v^h / sigma^2 - ||W_O^h v^h_j||^2 / (2 sigma^2)) with
+    the same layer's scores s^h of head h = h*, Q = A^ P. h*: in training, the paper's rule at every
+    forward (the head whose attention rows have the least mean entropy); in eval mode the buffer `head`,
+    calibrated once after training (`calibrate_head`), so that routing is causal and fixed (policy A)."""
+
+    def __init__(self, cfg: TXLConfig) -> None:
+        super().__init__()
+        self.kind = cfg.method
+        self.gate = NaiveGate(cfg)
+        self.experts = Experts(cfg)
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.top_k = cfg.top_k_max
+        self.tau, self.sigma, self.d_head = cfg.graph_tau, cfg.graph_sigma, cfg.d_head
+        if self.kind == "attention":
+            self.register_buffer("head", torch.zeros((), dtype=torch.long))
+        self.attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # scores, values, W_O
+
+    def mixing(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, B, d] -> the causal mixing matrix of each sequence [B, T, T] (rows sum to 1)."""
+        t = x.shape[0]
+        future = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        if self.kind == "similarity":
+            scores = torch.einsum("ibd,jbd->bij", x.float(), x.float()) / self.tau
+        else:
+            score, v, w_o = self.attention  # type: ignore[misc]  # [T, T, B, H], [T, B, H, dh], [d, H * dh]
+            h = int(self.head) if not self.training else head_of_least_entropy(score)
+            w_oh = w_o[:, h * self.d_head : (h + 1) * self.d_head].float()  # W_O^h [d, dh]
+            proj = torch.einsum("jbe,de->jbd", v[:, :, h].float(), w_oh)  # W_O^h v_j
+            likelihood = torch.einsum("ibd,jbd->bij", x.float(), proj) - 0.5 * proj.pow(2).sum(-1).T[:, None, :]
+            scores = score[:, :, :, h].permute(2, 0, 1).float() + likelihood / self.sigma**2
+        return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        x = inp.reshape(-1, inp.size(-1))
+        probs = F.softmax(self.gate(inp).float(), dim=-1)  # [T, B, N]
+        mixed = torch.einsum("bij,jbn->ibn", self.mixing(inp), probs).reshape(-1, probs.shape[-1])  # [T * B, N]
+        values, indices = torch.topk(mixed, self.top_k, dim=-1)
+        weights = torch.zeros_like(mixed).scatter(1, indices, values / values.sum(-1, keepdim=True))
+        out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
+        return self.layer_norm(inp + self.drop(out.view_as(inp)))
+
+    @torch.no_grad()
+    def calibrate_head(self, score: torch.Tensor) -> None:
+        """Policy A: h* = the head of least mean attention entropy on calibration data, fixed from now on."""
+        self.head.fill_(head_of_least_entropy(score))
+
+
+def attention_entropy(score: torch.Tensor) -> torch.Tensor:
+    """score [T, T, B, H] (masked with -inf) -> each head's mean row entropy [H]."""
+    logp = torch.log_softmax(score.float(), dim=1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(1).mean((0, 1))
+
+
+def head_of_least_entropy(score: torch.Tensor) -> int:
+    return int(attention_entropy(score).argmin())  # ties: the lowest head
+
+
 class PositionwiseFF(nn.Module):
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
@@ -270,11 +339,16 @@ class DecoderLayer(nn.Module):
         if cfg.method == "hypermoe" and index in cfg.moe_index:
             assert generator is not None
             self.pos_ff = HyperMoEPositionwiseFF(cfg, index, generator)
+        elif cfg.method in ("similarity", "attention") and index in cfg.moe_index:
+            self.pos_ff = GraphRoutingFF(cfg)
         elif cfg.method != "dense" and index in cfg.moe_index:
             self.pos_ff = MoEPositionwiseFF(cfg)
 
     def forward(self, h, r, r_w_bias, r_r_bias, mask):
-        return self.pos_ff(self.dec_attn(h, r, r_w_bias, r_r_bias, mask))
+        out = self.dec_attn(h, r, r_w_bias, r_r_bias, mask)
+        if isinstance(self.pos_ff, GraphRoutingFF) and self.pos_ff.kind == "attention":
+            self.pos_ff.attention = (*self.dec_attn.last, self.dec_attn.o_net.weight)
+        return self.pos_ff(out)
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -318,7 +392,7 @@ class MemTransformerLM(nn.Module):
 
     def set_top_k(self, k: int) -> None:
         for layer in self.layers:
-            if isinstance(layer.pos_ff, MoEPositionwiseFF | HyperMoEPositionwiseFF):
+            if isinstance(layer.pos_ff, MoEPositionwiseFF | HyperMoEPositionwiseFF | GraphRoutingFF):
                 layer.pos_ff.top_k = k
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -333,9 +407,23 @@ class MemTransformerLM(nn.Module):
         return self.crit(self.drop(h)).transpose(0, 1)
 
 
+@torch.no_grad()
+def calibrate_heads(model: MemTransformerLM, tokens: torch.Tensor) -> list[int]:
+    """Attention-aware routing, policy A: fix each MoE layer's h* from its attention on calibration tokens
+    [B, T] (one forward in eval mode). -> h* per MoE layer, in layer order."""
+    model.eval()
+    model(tokens)  # every layer keeps its last attention scores (dec_attn.last)
+    heads = []
+    for layer in model.layers:
+        if isinstance(layer.pos_ff, GraphRoutingFF) and layer.pos_ff.kind == "attention":
+            layer.pos_ff.calibrate_head(layer.dec_attn.last[0])
+            heads.append(int(layer.pos_ff.head))
+    return heads
+
+
 def k_schedule(step: int, total: int, k_min: int, k_max: int) -> int:
     """The official scripts' linear top-k schedule from k_min to k_max (Python rounding)."""
     return int(round(k_min + (k_max - k_min) * step / max(total - 1, 1)))
 
 
-__all__ = ["MemTransformerLM", "TXLConfig", "k_schedule"]
+__all__ = ["MemTransformerLM", "TXLConfig", "calibrate_heads", "k_schedule"]

@@ -49,6 +49,9 @@ def make_lm(tmp_path: Path, method: str, seed: int = 0, **overrides) -> tuple[Me
     model = MemTransformerLM(TXLConfig(method=method, **{**TXL, **METHOD_TXL.get(method, {}), **overrides}))
     randomize(model, seed)
     model.crit.out_layers[0].weight = model.word_emb.emb_layers[0].weight  # randomize() keeps the tie; be explicit
+    if method == "attention":  # policy A: h* fixed per MoE layer (calibrated; here set apart from head 0)
+        for layer, head in zip([model.layers[i] for i in TXL["moe_index"]], (1, 0), strict=True):
+            layer.pos_ff.head.fill_(head)
     model.eval()
     out = tmp_path / f"{method}-ckpt"
     save_checkpoint(out, model, {"method": method, "model": model.cfg.to_dict(), "recipe": "test", "seed": seed})
@@ -274,3 +277,19 @@ def test_hypermoe_serves_only_its_trained_k(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="experts_per_token must be between 1 and 1, got 2"):
         llm.generate(["x"], SamplingParams(max_tokens=1, experts_per_token=2))
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_graph_routing_exports_record_the_router_and_calibrated_heads(tmp_path: Path) -> None:
+    from recipes.transformer_xl import calibrate_heads
+
+    _, ckpt = make_lm(tmp_path, "similarity", graph_tau=0.5)
+    router = LLM(transformer_xl.export("similarity", ckpt, tmp_path / "sim")).config.moe.router
+    assert (router.kind, router.tau, router.use_bias) == ("similarity", 0.5, True)
+    _, ckpt = make_lm(tmp_path, "attention", graph_sigma=2.0)
+    router = LLM(transformer_xl.export("attention", ckpt, tmp_path / "att")).config.moe.router
+    assert (router.kind, router.sigma, router.heads) == ("attention", 2.0, (1, 0))
+    # Policy A: calibration fixes each MoE layer's h* as the head of least mean attention entropy.
+    model, _ = make_lm(tmp_path / "calibrated", "attention")
+    heads = calibrate_heads(model, torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(9)))
+    assert len(heads) == len(TXL["moe_index"]) and all(0 <= h < TXL["n_head"] for h in heads)
+    assert heads == [int(model.layers[i].pos_ff.head) for i in TXL["moe_index"]]
