@@ -20,6 +20,7 @@ from moe_serve.batch.jsonl import BatchItem, LineResult, append, completed_ids, 
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.errors import MoEServeError, ValidationError
+from moe_serve.exporters.onnx.cache import servable
 from moe_serve.registry import bundled_models
 from moe_serve.validation import check_int
 
@@ -50,7 +51,8 @@ class EnginePool:
 
     def get(self, name: str) -> AsyncEngine:
         if name not in self._engines:
-            self._engines[name] = AsyncEngine.load(name, self.engine_config)
+            model = servable(name, self.engine_config)  # --backend onnxruntime: the cached ONNX export
+            self._engines[name] = AsyncEngine.load(model, self.engine_config)
         return self._engines[name]
 
     def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:

@@ -40,9 +40,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from moe_serve.exporters.onnx.cache import servable
     from moe_serve.llm import LLM
 
-    llm = LLM(args.model, from_options(EngineConfig, args))
+    config = from_options(EngineConfig, args)
+    llm = LLM(servable(args.model, config), config)
     outputs = llm.generate(args.prompt, from_options(SamplingParams, args))
     data = [
         {
@@ -79,9 +81,11 @@ def score(args: argparse.Namespace) -> int:
 
 def _pooling(args: argparse.Namespace, describe: Any) -> int:
     """classify or score (args.command) each text; one line per text: describe(result), then the text."""
+    from moe_serve.exporters.onnx.cache import servable
     from moe_serve.llm import LLM
 
-    llm = LLM(args.model, from_options(EngineConfig, args))
+    config = from_options(EngineConfig, args)
+    llm = LLM(servable(args.model, config), config)
     results = getattr(llm, args.command)(args.texts, experts_per_token=args.experts_per_token)
     pairs = list(zip(args.texts, results, strict=True))
     _emit(
@@ -178,6 +182,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from moe_serve.evaluation.plot import plot
     from moe_serve.evaluation.runner import evaluate as run_eval
     from moe_serve.evaluation.table import format_table, write_csv
+    from moe_serve.exporters.onnx.cache import servable
     from moe_serve.llm import LLM
     from moe_serve.moe_policy import MoEPolicy
     from moe_serve.quality import QUALITY_FILE
@@ -187,8 +192,9 @@ def evaluate(args: argparse.Namespace) -> int:
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     rows, written = [], {}
+    config = from_options(EngineConfig, args)
     for model in args.models:
-        llm = LLM(model, from_options(EngineConfig, args))
+        llm = LLM(servable(model, config), config)
         moe = llm.config.moe
         ks = requested or sorted(
             {k for k in (1, 2, 4, 8, 16, 32, 64) if moe and k <= moe.max_k} | {moe.max_k if moe else 1}

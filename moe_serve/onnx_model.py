@@ -12,7 +12,8 @@ The interface (one owner: the exporter imports these names):
 - both, when the model has MoE layers, last: expert_counts [L_moe, N] int64, the real tokens routed to each
   expert in each MoE layer during the run (the expert-load metrics; padding and slots beyond k count none).
 - metadata_props under `moe_serve.`: format, task, experts_per_token (default/min/max), labels, the model
-  config, the tokenizer (tokenizer.json text), provenance.
+  config, the tokenizer (tokenizer.json text), provenance, and the source's quality table (quality.json
+  text) when it has one.
 
 The graph cannot raise an error, so a k outside the range is refused here, before the graph runs: in the
 graph, slots up to K = the model's max k exist and a larger k would silently mean K.
@@ -29,6 +30,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from moe_serve.errors import ArtifactError, ValidationError
 from moe_serve.model_config import ModelConfig
+from moe_serve.quality import QualityTable
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.validation import check_int
 
@@ -48,6 +50,11 @@ def past_names(num_layers: int) -> list[str]:
 
 def present_names(num_layers: int) -> list[str]:
     return [f"present.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
+
+
+def is_export(path: Path) -> bool:
+    """Whether `path` is an export directory (or graph file) rather than a moe-serve artifact."""
+    return (path / GRAPH_FILE).is_file() or (path.suffix == ".onnx" and path.is_file())
 
 
 def read_metadata(props: dict[str, str], where: str) -> tuple[ModelConfig, Tokenizer]:
@@ -80,7 +87,11 @@ class OnnxModel:
         if not graph.is_file():
             raise ArtifactError(f"{path} has no {GRAPH_FILE}")
         self.session = onnxruntime.InferenceSession(str(graph), providers=providers or ["CPUExecutionProvider"])
-        self.config, self.tokenizer = read_metadata(self.session.get_modelmeta().custom_metadata_map, str(graph))
+        props = self.session.get_modelmeta().custom_metadata_map
+        self.config, self.tokenizer = read_metadata(props, str(graph))
+        # The source artifact's quality table, when it had one (dashboards and /metrics show it).
+        quality = props.get(META + "quality")
+        self.quality = QualityTable.parse(quality, f"{graph} {META}quality") if quality else None
 
     # ---- inputs ---------------------------------------------------------------------------------
 

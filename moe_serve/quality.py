@@ -54,12 +54,21 @@ class QualityTable:
     def read(cls, path: Path) -> QualityTable:
         """Parse and validate a quality.json; every problem is an ArtifactError naming the file and entry."""
         try:
-            document = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
             raise ArtifactError(f"{path} is not a readable JSON quality table: {exc}") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> QualityTable:
+        """A quality table from its JSON text (`where` names it in errors)."""
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{where} is not a readable JSON quality table: {exc}") from None
         if not isinstance(document, dict) or not isinstance(document.get("results"), list):
-            raise ArtifactError(f"{path} must be an object with a list 'results'")
-        rows = tuple(_row(entry, f"{path}: results[{i}]") for i, entry in enumerate(document["results"]))
+            raise ArtifactError(f"{where} must be an object with a list 'results'")
+        rows = tuple(_row(entry, f"{where}: results[{i}]") for i, entry in enumerate(document["results"]))
         updated = document.get("updated_at")
         return cls(rows, updated if isinstance(updated, str) else None)
 

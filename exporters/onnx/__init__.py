@@ -1,8 +1,9 @@
 """ONNX as an export *target* (DESIGN §12): `moe-serve export-onnx MODEL OUT_DIR` turns a serving artifact
 into one ONNX graph with experts_per_token an int64 input per row. graph.py is the traceable forward pass,
-export.py the export, its refusals and checks; moe_serve/onnx_model.py owns the graph's interface and runs
-it with onnxruntime."""
+export.py the export, its refusals and checks, cache.py the exports `--backend onnxruntime` makes on first
+use; moe_serve/onnx_model.py owns the graph's interface and runs it with onnxruntime."""
 
+from moe_serve.exporters.onnx.cache import cached_export, servable
 from moe_serve.exporters.onnx.export import OnnxExport, check_exportable, export_onnx
 
-__all__ = ["OnnxExport", "check_exportable", "export_onnx"]
+__all__ = ["OnnxExport", "cached_export", "check_exportable", "export_onnx", "servable"]

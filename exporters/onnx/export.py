@@ -38,6 +38,7 @@ from moe_serve.onnx_model import (
     past_names,
     present_names,
 )
+from moe_serve.quality import QUALITY_FILE
 from moe_serve.registry import resolve_model
 
 OPSET = 17
@@ -197,6 +198,8 @@ def _metadata(config: ModelConfig, tokenizer_json: str, src: Path, manifest: dic
             }
         ),
     }
+    if (src / QUALITY_FILE).is_file():  # served models show their quality against k
+        values["quality"] = (src / QUALITY_FILE).read_text(encoding="utf-8")
     return {META + key: value for key, value in values.items()}
 
 

@@ -2,33 +2,25 @@
 The scheduler, the KV-cache blocks, sampling, detokenizing and the server are the same for all of them.
 
 - `torch`: the artifact's PyTorch model (moe_serve.engine.model_runner.TorchRunner).
-- `onnxruntime`: an ONNX export of the model (moe_serve.engine.onnx_runner.OnnxRunner), fp32. MODEL is an
-  export directory (`moe-serve export-onnx`) or an artifact / bundled demo, exported on first use into
-  the cache (~/.cache/moe-serve/onnx, or $MOE_SERVE_ONNX_CACHE) under a key of its weights' checksums,
-  and reused after. CUDAExecutionProvider when the device is CUDA and onnxruntime-gpu provides it, else
-  CPUExecutionProvider. Per-token `moe` policies are torch-only (the graph takes one k per row).
+- `onnxruntime`: an ONNX export of the model (moe_serve.engine.onnx_runner.OnnxRunner), fp32: MODEL is an
+  export directory (`moe-serve export-onnx`; the command line and the server pass an artifact's cached
+  export, moe_serve.exporters.onnx.cache, as the runtime never imports an exporter).
+  CUDAExecutionProvider when the device is CUDA and onnxruntime-gpu provides it, else CPUExecutionProvider.
+  Per-token `moe` policies are torch-only (the graph takes one k per row).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-from moe_serve.artifact import Artifact, load_artifact, read_manifest
+from moe_serve.artifact import Artifact, load_artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine.kv_cache import CacheShape
 from moe_serve.engine.model_runner import Runner, TorchRunner
 from moe_serve.errors import ArtifactError, ValidationError
-from moe_serve.exporters.base import ExportError
-from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.registry import resolve_model
-
-logger = logging.getLogger(__name__)
 
 
 def load_model(model: str | Path, config: EngineConfig) -> Artifact:
@@ -66,53 +58,22 @@ def model_dtype(artifact: Artifact) -> torch.dtype:
 
 
 def _load_onnx(model: str | Path, config: EngineConfig) -> Artifact:
-    from moe_serve.onnx_model import GRAPH_FILE, OnnxModel
+    from moe_serve.onnx_model import OnnxModel, is_export
 
     if config.dtype not in ("auto", "float32"):
         raise ValidationError(
             f"the onnxruntime backend runs fp32 graphs; dtype {config.dtype} is torch-only", parameter="dtype"
         )
     path = Path(model)
-    quality = None
-    if (path / GRAPH_FILE).is_file():  # an export directory
-        name = path
-    else:
-        name = resolve_model(model)
-        path = _exported(name)
-        quality = QualityTable.read(name / QUALITY_FILE) if (name / QUALITY_FILE).is_file() else None
+    if not is_export(path):
+        raise ArtifactError(
+            f"{model} is not an ONNX export: the onnxruntime backend runs `moe-serve export-onnx` directories "
+            "(the command line and the server export an artifact on first use; in Python, "
+            "moe_serve.exporters.onnx.cached_export(MODEL) returns the cached export)"
+        )
     graph = OnnxModel(path, providers=_providers(config))
-    if quality is None and (path / QUALITY_FILE).is_file():
-        quality = QualityTable.read(path / QUALITY_FILE)
     provenance = {"backend": "onnxruntime", "graph": str(path), "providers": graph.session.get_providers()}
-    return Artifact(name, graph.config, graph.tokenizer, None, provenance, quality, onnx=graph)
-
-
-def onnx_cache_dir() -> Path:
-    return Path(os.environ.get("MOE_SERVE_ONNX_CACHE") or Path.home() / ".cache" / "moe-serve" / "onnx")
-
-
-def _exported(src: Path) -> Path:
-    """The cached export of an artifact, made on first use. The key is the artifact's recorded checksums
-    (its weights, tokenizer and config) and the graph format: a changed artifact, or a runtime that needs
-    another graph, gets a new export, never a stale one."""
-    from moe_serve.exporters.onnx.export import export_onnx
-    from moe_serve.onnx_model import FORMAT_VERSION
-
-    manifest, _ = read_manifest(src)
-    checksums = manifest.get("checksums") or {}
-    if not checksums:
-        raise ArtifactError(f"{src} records no checksums: its cached ONNX export could not be told from a stale one")
-    source = {"checksums": checksums, "onnx_format_version": FORMAT_VERSION}
-    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
-    dst = onnx_cache_dir() / f"{src.name}-{key}"
-    if not dst.is_dir():
-        logger.info("exporting %s to ONNX in %s (once; later starts reuse it)", src, dst)
-        try:
-            export_onnx(src, dst)  # written aside and renamed into place: a crash leaves no half export
-        except (ExportError, OSError):
-            if not dst.is_dir():  # not another process exporting the same artifact at the same time
-                raise
-    return dst
+    return Artifact(path, graph.config, graph.tokenizer, None, provenance, graph.quality, onnx=graph)
 
 
 def _providers(config: EngineConfig) -> list[str]:

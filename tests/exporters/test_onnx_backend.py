@@ -14,14 +14,14 @@ import torch
 
 from moe_serve import LLM, SamplingParams
 from moe_serve.config import EngineConfig
-from moe_serve.errors import ValidationError
+from moe_serve.errors import ArtifactError, ValidationError
 from moe_serve.registry import resolve_model
 from tests.exporters.test_onnx import _hf_artifact
 
 pytest.importorskip("onnxruntime")
 
-from moe_serve.engine.backend import onnx_cache_dir  # noqa: E402
 from moe_serve.exporters.onnx import export_onnx  # noqa: E402
+from moe_serve.exporters.onnx.cache import cache_dir, cached_export, servable  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each model is exported once (seconds)
 
@@ -70,7 +70,7 @@ def test_generation_and_scores_equal_the_torch_backend_in_one_mixed_k_batch(name
     source = _source(name, mixtral)
     torch_llm = LLM(source)
     # A small step budget: the long prompt is prefilled in chunks that share steps with decodes.
-    onnx_llm = LLM(source, EngineConfig(backend="onnxruntime", max_num_batched_tokens=32))
+    onnx_llm = LLM(cached_export(source), EngineConfig(backend="onnxruntime", max_num_batched_tokens=32))
     assert onnx_llm.artifact.model is None and onnx_llm.artifact.onnx is not None
     prompts = PROMPTS if name != "mixtral" else [[1 + (7 * i + j) % 90 for j in range(5 + 9 * i)] for i in range(4)]
     ks = _ks(torch_llm, 8)
@@ -85,7 +85,7 @@ def test_generation_and_scores_equal_the_torch_backend_in_one_mixed_k_batch(name
 
 @pytest.mark.parametrize("name", ["genre-topk", "genre-smear", "genre-moesart"])
 def test_classifier_probabilities_equal_the_torch_backend(name: str) -> None:
-    torch_llm, onnx_llm = LLM(name), LLM(name, backend="onnxruntime")
+    torch_llm, onnx_llm = LLM(name), LLM(cached_export(name), backend="onnxruntime")
     texts = ["Exit, pursued by a bear.", "Now is the winter of our discontent", "A kingdom for a horse!", "Ay"]
     ks = _ks(torch_llm, len(texts))
     for got, want in zip(onnx_llm.classify(texts, ks), torch_llm.classify(texts, ks), strict=True):
@@ -98,7 +98,7 @@ def test_classifier_probabilities_equal_the_torch_backend(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def onnx_smoe() -> LLM:
-    return LLM("shakespeare-smoe", EngineConfig(backend="onnxruntime", max_num_batched_tokens=48))
+    return LLM(cached_export("shakespeare-smoe"), EngineConfig(backend="onnxruntime", max_num_batched_tokens=48))
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -115,14 +115,16 @@ def test_a_request_alone_equals_it_in_a_mixed_k_batch(onnx_smoe: LLM, k: int) ->
 
 def test_prefix_cache_hits_and_preemption_keep_results() -> None:
     prompt = PROMPTS[0]
-    roomy = LLM("shakespeare-smoe", backend="onnxruntime")
+    roomy = LLM(cached_export("shakespeare-smoe"), backend="onnxruntime")
     want = _generate(roomy, [prompt], [2], max_tokens=24)
     hits = roomy.engine.blocks.stats.hit_tokens
     again = _generate(roomy, [prompt], [2], max_tokens=24)  # its prompt's full blocks come from the cache
     assert roomy.engine.blocks.stats.hit_tokens > hits
     _assert_same(again, want)
     # 12 blocks of 16 tokens for 6 sequences of ~80 tokens: sequences are preempted, then recomputed.
-    tight = LLM("shakespeare-smoe", backend="onnxruntime", kv_cache_tokens=192, enable_prefix_caching=False)
+    tight = LLM(
+        cached_export("shakespeare-smoe"), backend="onnxruntime", kv_cache_tokens=192, enable_prefix_caching=False
+    )
     scheduler, preempted = tight.engine.scheduler, []
     preempt = scheduler._preempt
     scheduler._preempt = lambda seq, out: (preempted.append(seq), preempt(seq, out))
@@ -140,38 +142,42 @@ def test_what_the_graph_cannot_run_is_refused_naming_the_field(onnx_smoe: LLM) -
         onnx_smoe.generate(["x"], SamplingParams(max_tokens=2, experts_per_token=9))
     assert info.value.parameter == "experts_per_token"
     with pytest.raises(ValidationError, match="fp32") as info:
-        LLM("shakespeare-smoe", backend="onnxruntime", dtype="bfloat16")
+        LLM(cached_export("shakespeare-smoe"), backend="onnxruntime", dtype="bfloat16")
     assert info.value.parameter == "dtype"
     import onnxruntime
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         with pytest.raises(ValidationError, match="onnxruntime-gpu") as info:
-            LLM("shakespeare-smoe", backend="onnxruntime", device="cuda")
+            LLM(cached_export("shakespeare-smoe"), backend="onnxruntime", device="cuda")
         assert info.value.parameter == "device"
     with pytest.raises(ValidationError, match="backend must be one of torch, onnxruntime"):
         EngineConfig(backend="tensorrt")
 
 
 def test_an_artifact_is_exported_once_and_an_export_directory_is_served_as_is(tmp_path: Path, monkeypatch) -> None:
-    LLM("genre-topk", backend="onnxruntime")  # exported into the cache (if no earlier test did)
-    cached = [p for p in onnx_cache_dir().iterdir() if p.name.startswith("genre-topk-")]
-    assert len(cached) == 1
-    stamp = os.stat(cached[0] / "model.onnx").st_mtime_ns
+    config = EngineConfig(backend="onnxruntime")
+    first = Path(servable("genre-topk", config))  # exported into the cache (if no earlier test did)
+    assert first.parent.parent == cache_dir() and first.name == "genre-topk"  # served under its own name
+    stamp = os.stat(first / "model.onnx").st_mtime_ns
 
     def no_export(*args, **kwargs):
         raise AssertionError("exported again")
 
     monkeypatch.setattr("moe_serve.exporters.onnx.export.export_onnx", no_export)
-    LLM("genre-topk", backend="onnxruntime")
-    assert os.stat(cached[0] / "model.onnx").st_mtime_ns == stamp
+    assert Path(servable("genre-topk", config)) == first and os.stat(first / "model.onnx").st_mtime_ns == stamp
+    assert servable("genre-topk", EngineConfig()) == "genre-topk"  # torch: the artifact itself
     monkeypatch.undo()
+    llm = LLM(first, config)
+    assert llm.engine.inputs.name == "genre-topk" and llm.artifact.quality is not None  # the demo's table
 
     exported = export_onnx("shakespeare-dense", tmp_path / "dense-onnx").path
     llm = LLM(exported, backend="onnxruntime")
     assert llm.engine.inputs.name == "dense-onnx"
-    _assert_same(
-        _generate(llm, PROMPTS[:2], [None, None]), _generate(LLM("shakespeare-dense"), PROMPTS[:2], [None] * 2)
-    )
+    want = _generate(LLM("shakespeare-dense"), PROMPTS[:2], [None] * 2)
+    _assert_same(_generate(llm, PROMPTS[:2], [None] * 2), want)
+    # The runtime opens exports only (it never imports an exporter): an artifact is refused, naming the way.
+    with pytest.raises(ArtifactError, match="is not an ONNX export.*cached_export"):
+        LLM("shakespeare-dense", backend="onnxruntime")
 
 
 @pytest.mark.parametrize("name", ["shakespeare-smoe", "genre-smear", "genre-moesart"])
@@ -179,7 +185,7 @@ def test_the_graph_counts_the_same_expert_load_as_the_torch_model(name: str) -> 
     """expert_counts (token routers, and soft_merge's one decision per row counted for each of its tokens)."""
     loads = []
     for backend in ("torch", "onnxruntime"):
-        llm = LLM(name, backend=backend)
+        llm = LLM(cached_export(name) if backend == "onnxruntime" else name, backend=backend)
         llm.engine.runner.track_expert_load()
         ks = _ks(llm, 4)
         if llm.config.is_causal:
