@@ -17,6 +17,7 @@ from moe_serve.config import EngineConfig
 from moe_serve.errors import ArtifactError, ValidationError
 from moe_serve.registry import resolve_model
 from tests.exporters.test_onnx import _hf_artifact
+from tests.routing_checks import spy_preemptions
 
 pytest.importorskip("onnxruntime")
 
@@ -125,9 +126,7 @@ def test_prefix_cache_hits_and_preemption_keep_results() -> None:
     tight = LLM(
         cached_export("shakespeare-smoe"), backend="onnxruntime", kv_cache_tokens=192, enable_prefix_caching=False
     )
-    scheduler, preempted = tight.engine.scheduler, []
-    preempt = scheduler._preempt
-    scheduler._preempt = lambda seq, out: (preempted.append(seq), preempt(seq, out))
+    preempted = spy_preemptions(tight)
     outs = _generate(tight, [prompt] * 6, [2] * 6, max_tokens=24)
     assert preempted
     for out in outs:

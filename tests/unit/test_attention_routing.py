@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve import LLM, EngineConfig, SamplingParams
-from moe_serve.engine.sequence import SequenceKind
+from moe_serve import LLM, EngineConfig
 from moe_serve.errors import ConfigError
 from moe_serve.layers.routers.attention_aware import mix
 from moe_serve.layers.routers.base import RouterState
@@ -19,8 +18,8 @@ from moe_serve.testing import create_random_artifact
 from tests.batches import packed_batch
 from tests.conftest import lm_config, moe_config
 from tests.reference_moe import attention_aware_mix
+from tests.routing_checks import assert_alone_equals_batched, assert_every_cache_path_routes_alike
 
-TEXT = "Is this a dagger which I see before me, the handle toward my hand? Come, let me clutch thee."
 LENGTHS = (7, 1, 10, 4)
 POSITIONS = {
     "rotary": {},
@@ -134,39 +133,8 @@ def test_heads_must_name_one_head_per_moe_layer() -> None:
 @pytest.mark.parametrize("position", list(POSITIONS))
 def test_prefill_chunks_decode_prefix_hits_and_preemption_route_alike(make_artifact, position: str) -> None:
     artifact = make_artifact(_config(position), seed=19)
-    whole = LLM(artifact).score(TEXT, return_token_logprobs=True)[0].token_logprobs
-    chunked = LLM(artifact, EngineConfig(max_num_batched_tokens=16)).score(TEXT, return_token_logprobs=True)[0]
-    torch.testing.assert_close(torch.tensor(chunked.token_logprobs), torch.tensor(whole), atol=1e-5, rtol=0)
-
-    llm = LLM(artifact)
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True, experts_per_token=2)
-    first = llm.generate(TEXT, params)[0].outputs[0]
-    ids = llm.inputs.encode_text(TEXT, "prompt") + first.token_ids
-    (seq,) = llm.engine.add_inputs("rescore", [ids], 2, SequenceKind.SCORE)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    decoded = torch.tensor(first.logprobs)
-    torch.testing.assert_close(torch.tensor(seq.prompt_logprobs[-12:]), decoded, atol=1e-5, rtol=0)
-    hits = llm.engine.blocks.stats.hit_tokens
-    again = llm.generate(TEXT, params)[0].outputs[0]
-    assert llm.engine.blocks.stats.hit_tokens > hits and again.token_ids == first.token_ids
-    tight = LLM(artifact, EngineConfig(kv_cache_tokens=208, enable_prefix_caching=False))
-    preempted = []
-    preempt = tight.engine.scheduler._preempt
-    tight.engine.scheduler._preempt = lambda s, out: (preempted.append(s), preempt(s, out))
-    outs = tight.generate([TEXT] * 4, params)
-    assert preempted
-    for out in outs:
-        assert out.outputs[0].token_ids == first.token_ids
+    assert_every_cache_path_routes_alike(lambda **engine: LLM(artifact, EngineConfig(**engine)))
 
 
 def test_a_request_alone_equals_it_in_a_mixed_k_batch(make_artifact) -> None:
-    llm = LLM(make_artifact(_config("relative"), seed=23))
-    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True, experts_per_token=3)
-    alone = llm.generate(TEXT, params)[0].outputs[0]
-    others = ["Out, damned spot!", "To be, or not to be", "x", "Now is the winter of our discontent"]
-    batch = llm.generate(
-        others + [TEXT], [SamplingParams(max_tokens=6, experts_per_token=k) for k in (1, 4, 2, 1)] + [params]
-    )[-1].outputs[0]
-    assert batch.token_ids == alone.token_ids
-    assert batch.logprobs == alone.logprobs  # bitwise
+    assert_alone_equals_batched(LLM(make_artifact(_config("relative"), seed=23)))

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve import LLM, EngineConfig, SamplingParams
-from moe_serve.engine.sequence import SequenceKind
+from moe_serve import LLM, EngineConfig
 from moe_serve.errors import ConfigError
 from moe_serve.layers.routers.base import RouterState
 from moe_serve.layers.routers.similarity import mix
@@ -17,9 +16,9 @@ from moe_serve.model_config import RouterConfig
 from tests.batches import pack, packed_batch
 from tests.conftest import lm_config, moe_config
 from tests.reference_moe import similarity_mix
+from tests.routing_checks import assert_alone_equals_batched, assert_every_cache_path_routes_alike
 from tests.unit.test_moe_layer import EXPERTS, make_block
 
-TEXT = "Is this a dagger which I see before me, the handle toward my hand? Come, let me clutch thee."
 LENGTHS = (6, 1, 9, 4)
 
 
@@ -99,45 +98,11 @@ def _llm(make_artifact, **engine) -> LLM:
 
 
 def test_prefill_chunks_decode_prefix_hits_and_preemption_route_alike(make_artifact) -> None:
-    whole = _llm(make_artifact).score(TEXT, return_token_logprobs=True)[0].token_logprobs
-    chunked = _llm(make_artifact, max_num_batched_tokens=16).score(TEXT, return_token_logprobs=True)[0]
-    torch.testing.assert_close(torch.tensor(chunked.token_logprobs), torch.tensor(whole), atol=1e-5, rtol=0)
-
-    llm = _llm(make_artifact)
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True, experts_per_token=2)
-    first = llm.generate(TEXT, params)[0].outputs[0]
-    # Token-by-token decode equals one prefill of the same tokens.
-    ids = llm.inputs.encode_text(TEXT, "prompt") + first.token_ids
-    (seq,) = llm.engine.add_inputs("rescore", [ids], 2, SequenceKind.SCORE)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    torch.testing.assert_close(torch.tensor(seq.prompt_logprobs[-12:]), torch.tensor(first.logprobs), atol=1e-5, rtol=0)
-    # A prefix-cache hit: keys, values and router state of the full blocks come from the cache.
-    hits = llm.engine.blocks.stats.hit_tokens
-    again = llm.generate(TEXT, params)[0].outputs[0]
-    assert llm.engine.blocks.stats.hit_tokens > hits and again.token_ids == first.token_ids
-    torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(first.logprobs), atol=1e-5, rtol=0)
-    # Preemption: a cache too small for all of them at once; each is recomputed and routes the same.
-    tight = _llm(make_artifact, kv_cache_tokens=208, enable_prefix_caching=False)
-    preempted = []
-    preempt = tight.engine.scheduler._preempt
-    tight.engine.scheduler._preempt = lambda s, out: (preempted.append(s), preempt(s, out))
-    outs = tight.generate([TEXT] * 4, params)
-    assert preempted
-    for out in outs:
-        assert out.outputs[0].token_ids == first.token_ids
+    assert_every_cache_path_routes_alike(lambda **engine: _llm(make_artifact, **engine))
 
 
 def test_a_request_alone_equals_it_in_a_mixed_k_batch(make_artifact) -> None:
-    llm = _llm(make_artifact)
-    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True, experts_per_token=3)
-    alone = llm.generate(TEXT, params)[0].outputs[0]
-    others = ["Out, damned spot!", "To be, or not to be", "x", "Now is the winter of our discontent"]
-    batch = llm.generate(
-        others + [TEXT], [SamplingParams(max_tokens=6, experts_per_token=k) for k in (1, 4, 2, 1)] + [params]
-    )[-1].outputs[0]
-    assert batch.token_ids == alone.token_ids
-    assert batch.logprobs == alone.logprobs  # bitwise: each sequence's graph is computed on its own
+    assert_alone_equals_batched(_llm(make_artifact))
 
 
 def test_k_other_than_the_trained_one_is_flagged_approximate(make_artifact) -> None:
