@@ -193,6 +193,12 @@ def evaluate(args: argparse.Namespace) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     rows, written = [], {}
     config = from_options(EngineConfig, args)
+    if args.write_artifact and config.backend != "torch":
+        raise ValidationError(
+            f"--write-artifact writes the artifact's quality.json, but --backend {config.backend} evaluates an "
+            "export of it: evaluate with the torch backend to write the artifact's table",
+            parameter="write_artifact",
+        )
     for model in args.models:
         llm = LLM(servable(model, config), config)
         moe = llm.config.moe

@@ -113,6 +113,10 @@ def test_inspect_lists_experts_and_active_parameters(make_artifact, run) -> None
 @pytest.mark.parametrize(
     "args,message",
     [
+        (
+            ["eval", "{model}", "--backend", "onnxruntime", "--write-artifact"],
+            "--write-artifact writes the artifact's quality.json, but --backend onnxruntime evaluates an export",
+        ),
         (["generate", "{model}", "--prompt", "x", "-k", "0"], "experts_per_token must be at least 1, got 0"),
         (["generate", "{model}", "--prompt", "x", "-k", "5"], "experts_per_token must be between 1 and 4, got 5"),
         (["generate", "{model}", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
