@@ -23,8 +23,10 @@ Runner = Callable[[list[list[int]], int], None]  # (prompts, k) -> generate new_
 
 def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int, backend: str = "torch") -> Runner:
     from moe_serve import LLM, EngineConfig, SamplingParams
+    from moe_serve.exporters.onnx.cache import servable
 
-    llm = LLM(model_dir, EngineConfig(max_num_seqs=max_batch, backend=backend))
+    config = EngineConfig(max_num_seqs=max_batch, backend=backend)
+    llm = LLM(servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
 
     def run(prompts: list[list[int]], k: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)
