@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_serve.engine.scheduler import ema
 from moe_serve.errors import ValidationError
 
 
@@ -77,9 +78,9 @@ class AutoKController:
         Returns the k for the next step."""
         c = self.config
         if step_seconds is not None and num_decoding > 0:
-            self.itl = _average(self.itl, step_seconds, c.smoothing)
+            self.itl = ema(self.itl, step_seconds, c.smoothing)
         for seconds in first_token_seconds:
-            self.ttft = _average(self.ttft, seconds, c.smoothing)
+            self.ttft = ema(self.ttft, seconds, c.smoothing)
         if not first_token_seconds and num_waiting == 0:
             self.ttft = None  # nothing queued: a new request starts at once, its first token is not at risk
         self.waiting = num_waiting
@@ -143,7 +144,3 @@ class AutoKController:
         if k != self.current_k:
             self.current_k = k
             self._since_change = 0
-
-
-def _average(mean: float | None, value: float, weight: float) -> float:
-    return value if mean is None else (1 - weight) * mean + weight * value

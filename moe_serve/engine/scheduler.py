@@ -115,7 +115,7 @@ class StepCosts:
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         prefill, decodes = output.num_prefill_tokens, output.num_decodes
         if prefill == 0:
-            self.decode_step = _ema(self.decode_step, seconds)
+            self.decode_step = ema(self.decode_step, seconds)
             return
         if decodes and self.decode_step is None:
             return
@@ -125,7 +125,7 @@ class StepCosts:
             for s in output.scheduled
             if not s.is_decode
         )
-        self.per_token = _ema(self.per_token, prefill_seconds / units)
+        self.per_token = ema(self.per_token, prefill_seconds / units)
 
     def prefill_room(self, max_stall: float, num_decodes: int) -> float | None:
         """Seconds of prefill a step with decodes may spend and stay under max_stall decode steps (None:
@@ -135,7 +135,8 @@ class StepCosts:
         return (max_stall - 1.0) * self.decode_step * ROOM_MARGIN
 
 
-def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+def ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    """Exponential moving average: `new` weighs `weight`; the first value starts it."""
     return new if old is None else (1 - weight) * old + weight * new
 
 

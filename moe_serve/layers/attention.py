@@ -91,12 +91,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [T, D] -> [T, D]; this step's keys and values go into the layer's cache when there is one."""
-        return self.forward_with_inputs(x, batch, layer)[0]
+        return self._attend(x, batch, layer, keep_inputs=False)[0]
 
     def forward_with_inputs(
         self, x: torch.Tensor, batch: ForwardBatch, layer: int
     ) -> tuple[torch.Tensor, AttentionInputs]:
         """forward, and what the attention computed from: for a router that reads the layer's attention."""
+        out, inputs = self._attend(x, batch, layer, keep_inputs=True)
+        assert inputs is not None
+        return out, inputs
+
+    def _attend(
+        self, x: torch.Tensor, batch: ForwardBatch, layer: int, keep_inputs: bool
+    ) -> tuple[torch.Tensor, AttentionInputs | None]:
         if self._qkv is None:
             self.prepare()
         t = x.shape[0]
@@ -121,7 +128,7 @@ class Attention(nn.Module):
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
-        inputs = AttentionInputs(q, k, v, relative, self.scale, cache, self.o_proj.weight)
+        inputs = AttentionInputs(q, k, v, relative, self.scale, cache, self.o_proj.weight) if keep_inputs else None
         return ops.linear(out.reshape(t, h * dh), *self._o), inputs  # type: ignore[misc]
 
 
