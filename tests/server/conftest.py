@@ -69,16 +69,21 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="session")
-def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
-    running = start_server(
+def start_test_server(artifacts: dict[str, Path], tmp_path_factory, **engine) -> RunningServer:
+    """The tiny LM and classifier served as the end-to-end tests expect (engine: EngineConfig overrides)."""
+    return start_server(
         ServerSettings(
             models=(str(artifacts["lm"]), str(artifacts["clf"])),
             limits=RequestLimits(max_tokens_cap=64),
-            engine=EngineConfig(max_num_seqs=16),
+            engine=EngineConfig(max_num_seqs=16, **engine),
             data_dir=str(tmp_path_factory.mktemp("batch-data")),  # the Batch API's state, never the user's
         )
     )
+
+
+@pytest.fixture(scope="session")
+def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
+    running = start_test_server(artifacts, tmp_path_factory)
     yield running
     running.stop()
 

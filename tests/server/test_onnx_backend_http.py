@@ -9,9 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from moe_serve.config import EngineConfig, RequestLimits
-from moe_serve.server.settings import ServerSettings
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, start_test_server
 
 pytest.importorskip("onnxruntime")
 
@@ -22,14 +20,7 @@ pytestmark = pytest.mark.slow  # two exports and a server start
 
 @pytest.fixture(scope="module")
 def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
-    running = start_server(
-        ServerSettings(
-            models=(str(artifacts["lm"]), str(artifacts["clf"])),
-            limits=RequestLimits(max_tokens_cap=64),
-            engine=EngineConfig(max_num_seqs=16, backend="onnxruntime"),
-            data_dir=str(tmp_path_factory.mktemp("batch-data")),
-        )
-    )
+    running = start_test_server(artifacts, tmp_path_factory, backend="onnxruntime")
     yield running
     running.stop()  # the `client` fixture of tests/server/conftest.py talks to this server
 
