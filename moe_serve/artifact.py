@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
+from moe_serve.kernels import hugepages
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.quality import QUALITY_FILE, QualityTable
@@ -203,7 +204,7 @@ def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, d
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
-                tensors[name] = tensor.to(device=device, dtype=dtype)
+                tensors[name] = hugepages.place(tensor.to(device=device, dtype=dtype))
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.kernels import hugepages
 from moe_serve.kernels.ops import cache_shapes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
@@ -54,9 +55,9 @@ class KVCache:
         assert config.num_kv_heads is not None and config.head_dim is not None
         self.shape = shape
         keys, values = cache_shapes(shape.num_blocks, shape.block_size, config.num_kv_heads, config.head_dim)
-        # torch.empty: pages are committed as blocks are first written; nothing reads a slot before that.
+        # Uninitialised: pages are committed as blocks are first written; nothing reads a slot before that.
         self.layers = [
-            (torch.empty(keys, device=device, dtype=dtype), torch.empty(values, device=device, dtype=dtype))
+            (hugepages.empty(keys, dtype, device), hugepages.empty(values, dtype, device))
             for _ in range(config.num_layers)
         ]
         self.router_states = {

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_serve.kernels import ops
+from moe_serve.kernels import hugepages, ops
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
@@ -147,4 +147,4 @@ class AttentionInputs:
 
 
 def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach() for t in tensors])
+    return hugepages.place(torch.cat([t.detach() for t in tensors]))
