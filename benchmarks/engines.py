@@ -2,11 +2,12 @@
 process: their threads, caches and compilers never meet). Prompts are random token ids; every request
 generates exactly `new_tokens` tokens (EOS ignored); one warm-up run precedes the timed ones.
 
-    python -m benchmarks.engines ENGINE MODEL_DIR --batches 1,16,64 --ks 2 --reps 3 [--threads 2]
+    python -m benchmarks.engines ENGINE MODEL_DIR --batches 1,16,64 --ks 2 --reps 3 [--threads 2] [--decode-cost]
 
 ENGINE: moe-serve or moe-serve-onnx (its onnxruntime backend; MODEL_DIR is an artifact), hf or vllm /
 vllm-eager (MODEL_DIR is the Hugging Face checkpoint). Prints one JSON document:
-{"<k>": {"<batch>": [tok/s of each rep]}}.
+{"<k>": {"<batch>": [tok/s of each rep]}}; with --decode-cost, the cost of one decode step instead
+(`measure_decode`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ import random
 import time
 from collections.abc import Callable
 
-Runner = Callable[[list[list[int]], int], None]  # (prompts, k) -> generate new_tokens for each
+from benchmarks import bandwidth
+
+Runner = Callable[[list[list[int]], int, int], None]  # (prompts, k, new_tokens): generate new_tokens for each
 
 
-def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int, backend: str = "torch") -> Runner:
+def moe_serve_runner(model_dir: str, max_batch: int, backend: str = "torch") -> Runner:
     from moe_serve import LLM, EngineConfig, SamplingParams
     from moe_serve.exporters.onnx.cache import servable
 
     config = EngineConfig(max_num_seqs=max_batch, backend=backend)
     llm = LLM(servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
 
-    def run(prompts: list[list[int]], k: int) -> None:
+    def run(prompts: list[list[int]], k: int, new_tokens: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)
         outs = llm.generate(prompts, params)
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
@@ -36,13 +39,13 @@ def moe_serve_runner(model_dir: str, new_tokens: int, max_batch: int, backend: s
     return run
 
 
-def hf_runner(model_dir: str, new_tokens: int, max_batch: int) -> Runner:
+def hf_runner(model_dir: str, max_batch: int) -> Runner:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def run(prompts: list[list[int]], k: int) -> None:
+    def run(prompts: list[list[int]], k: int, new_tokens: int) -> None:
         for module in model.modules():  # Mixtral reads top_k when it routes; a load-time constant otherwise
             if hasattr(module, "top_k"):
                 module.top_k = k
@@ -60,7 +63,7 @@ def hf_runner(model_dir: str, new_tokens: int, max_batch: int) -> Runner:
     return run
 
 
-def vllm_runner(model_dir: str, new_tokens: int, max_batch: int, eager: bool, k: int) -> Runner:
+def vllm_runner(model_dir: str, max_batch: int, eager: bool, k: int) -> Runner:
     """vLLM fixes k when it loads the model (`hf_overrides`): one worker process per k."""
     from vllm import LLM, SamplingParams
 
@@ -75,10 +78,10 @@ def vllm_runner(model_dir: str, new_tokens: int, max_batch: int, eager: bool, k:
         seed=0,
         hf_overrides={"num_experts_per_tok": k},
     )
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0)
 
-    def run(prompts: list[list[int]], run_k: int) -> None:
+    def run(prompts: list[list[int]], run_k: int, new_tokens: int) -> None:
         assert run_k == k, "one vLLM process per k"
+        params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
 
@@ -93,13 +96,42 @@ def measure(
     for k in ks:
         for batch in batches:
             prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
-            run(prompts[:1], k)  # warm-up (and, for compiled engines, compilation)
+            run(prompts[:1], k, new_tokens)  # warm-up (and, for compiled engines, compilation)
             rates = []
             for _ in range(reps):
                 start = time.perf_counter()
-                run(prompts, k)
+                run(prompts, k, new_tokens)
                 rates.append(batch * new_tokens / (time.perf_counter() - start))
             results.setdefault(str(k), {})[str(batch)] = rates
+    return results
+
+
+def measure_decode(
+    run: Runner, batches: list[int], ks: list[int], reps: int, prompt_len: int, new_tokens: int, vocab: int
+) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """The cost of one decode step, prefill excluded: (time to generate new_tokens - time to generate 1)
+    / (new_tokens - 1), the same prompts, each rep next to a measurement of the machine's copy bandwidth
+    (this VM's bandwidth drifts by tens of percent over minutes; the roofline uses the one measured with
+    the step). {k: {batch: [{"step_s", "copy_gb_s"} per rep]}}."""
+    meter = bandwidth.CopyMeter(threads=2, mib=256)
+    rng = random.Random(0)
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for k in ks:
+        for batch in batches:
+            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            run(prompts, k, new_tokens)  # warm-up (and, for compiled engines, compilation)
+            cells = []
+            for _ in range(reps):
+                before = meter.measure()
+                start = time.perf_counter()
+                run(prompts, k, 1)
+                middle = time.perf_counter()
+                run(prompts, k, new_tokens)
+                end = time.perf_counter()
+                after = meter.measure()
+                step = ((end - middle) - (middle - start)) / (new_tokens - 1)
+                cells.append({"step_s": step, "copy_gb_s": (before["copy_gb_s"] + after["copy_gb_s"]) / 2})
+            results.setdefault(str(k), {})[str(batch)] = cells
     return results
 
 
@@ -114,6 +146,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=257, help="prompt token ids are drawn below this")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-cost", action="store_true", help="seconds per decode step (measure_decode)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
@@ -122,16 +155,17 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     if args.engine == "moe-serve":
-        run = moe_serve_runner(args.model_dir, args.new_tokens, max(batches))
+        run = moe_serve_runner(args.model_dir, max(batches))
     elif args.engine == "moe-serve-onnx":  # onnxruntime uses every core by default, as here
-        run = moe_serve_runner(args.model_dir, args.new_tokens, max(batches), backend="onnxruntime")
+        run = moe_serve_runner(args.model_dir, max(batches), backend="onnxruntime")
     elif args.engine == "hf":
-        run = hf_runner(args.model_dir, args.new_tokens, max(batches))
+        run = hf_runner(args.model_dir, max(batches))
     else:
         if len(ks) != 1:
             parser.error("vllm fixes k at load: give one --ks value per process")
-        run = vllm_runner(args.model_dir, args.new_tokens, max(batches), args.engine == "vllm-eager", ks[0])
-    results = measure(run, batches, ks, args.reps, args.prompt_len, args.new_tokens, args.vocab)
+        run = vllm_runner(args.model_dir, max(batches), args.engine == "vllm-eager", ks[0])
+    how = measure_decode if args.decode_cost else measure
+    results = how(run, batches, ks, args.reps, args.prompt_len, args.new_tokens, args.vocab)
     print("RESULTS " + json.dumps(results), flush=True)
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, run_worker, summary
+from benchmarks.run import ROOT, decode_cost, run_worker, summary
 
 BACKENDS = {"torch": "moe-serve", "onnxruntime": "moe-serve-onnx"}  # backend -> benchmarks.engines name
 
@@ -48,11 +48,11 @@ def main() -> None:
     if "medium" in models:
         ks = [int(k) for k in args.k_sweep.split(",")]
         for backend, engine in BACKENDS.items():
-            result = run_worker(engine, models["medium"], [1, 16], ks, 1, 32, args.timeout)
+            result = run_worker(engine, models["medium"], [1, 16], ks, args.reps, 33, args.timeout, decode_cost=True)
             for k in ks:
                 cell = result.get(str(k), {}) if isinstance(result, dict) else result
                 if isinstance(cell, dict):
-                    cell = {"ms_per_token_batch1": 1000 / cell["1"][0], "ms_per_step_batch16": 16000 / cell["16"][0]}
+                    cell = decode_cost(cell, models["medium"].decode_bytes(k))
                 report["k_sweep"].setdefault(backend, {})[str(k)] = cell
             print(f"k sweep {backend}: {report['k_sweep'][backend]}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     if report["k_sweep"]:
         ks = list(next(iter(report["k_sweep"].values())))
-        lines += ["### medium, per k: ms per token at batch 1 / ms per step at batch 16", ""]
+        lines += ["### medium, per k: ms per decode step at batch 1 / at batch 16 (prefill excluded)", ""]
         lines += ["| backend | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
         for backend, cells in report["k_sweep"].items():
             values = " | ".join(

@@ -35,9 +35,17 @@ ENGINES = ("moe-serve", "hf", "vllm", "vllm-eager")
 
 
 def run_worker(
-    engine: str, model: BenchModel, batches: list[int], ks: list[int], reps: int, new_tokens: int, timeout: int
+    engine: str,
+    model: BenchModel,
+    batches: list[int],
+    ks: list[int],
+    reps: int,
+    new_tokens: int,
+    timeout: int,
+    decode_cost: bool = False,
 ) -> dict | str:
-    """{k: {batch: [tok/s ...]}}, or the reason it could not run."""
+    """{k: {batch: [tok/s ...]}} (with decode_cost, benchmarks.engines.measure_decode's cells), or the
+    reason it could not run."""
     model_dir = model.artifact if engine.startswith("moe-serve") else model.hf_dir
     command = [
         sys.executable,
@@ -53,6 +61,7 @@ def run_worker(
         str(reps),
         "--new-tokens",
         str(new_tokens),
+        *(["--decode-cost"] if decode_cost else []),
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     try:
@@ -64,6 +73,19 @@ def run_worker(
             return json.loads(line.removeprefix("RESULTS "))
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
     return "failed: " + " | ".join(tail)
+
+
+def decode_cost(cell: dict[str, list[dict[str, float]]], bytes_per_step: int) -> dict[str, float]:
+    """Medians over reps: ms per decode step at batch 1 and 16, and the batch-1 fraction of the roofline,
+    each rep against the copy bandwidth measured next to it."""
+    batch1, batch16 = cell["1"], cell["16"]
+    fractions = [bytes_per_step / (rep["copy_gb_s"] * 1e9) / rep["step_s"] for rep in batch1]
+    return {
+        "ms_per_token_batch1": 1000 * statistics.median(rep["step_s"] for rep in batch1),
+        "ms_per_step_batch16": 1000 * statistics.median(rep["step_s"] for rep in batch16),
+        "roofline_fraction_batch1": statistics.median(fractions),
+        "copy_gb_s": statistics.median(rep["copy_gb_s"] for rep in batch1),
+    }
 
 
 def summary(rates: list[float]) -> dict[str, float]:
@@ -111,14 +133,11 @@ def main() -> None:
         for engine in engines:
             runs = [(engine, ks)] if engine in ("moe-serve", "hf") else [(engine, [k]) for k in ks]
             for name, run_ks in runs:
-                result = run_worker(name, model, [1, 16], run_ks, 1, 32, args.timeout)
+                result = run_worker(name, model, [1, 16], run_ks, args.reps, 33, args.timeout, decode_cost=True)
                 for k in run_ks:
                     cell = result.get(str(k), {}) if isinstance(result, dict) else result
                     if isinstance(cell, dict):
-                        cell = {
-                            "ms_per_token_batch1": 1000 / cell["1"][0],
-                            "ms_per_step_batch16": 16000 / cell["16"][0],
-                        }
+                        cell = decode_cost(cell, model.decode_bytes(k))
                     report["k_sweep"].setdefault(engine, {})[str(k)] = cell
             print(f"k sweep {engine}: {report['k_sweep'].get(engine)}", flush=True)
         bandwidth_gb_s = report["bandwidth"]["copy_gb_s"]
@@ -173,7 +192,11 @@ def markdown(report: dict) -> str:
             lines += ["", "moe-serve / best peer (medians): " + ", ".join(ratios)]
         lines.append("")
     if "k_sweep" in report:
-        lines += ["### per-k decode cost, medium (ms per token at batch 1 / ms per step at batch 16)", ""]
+        lines += [
+            "### per-k decode cost, medium (ms per decode step at batch 1 / at batch 16; prefill excluded, "
+            "medians of the reps)",
+            "",
+        ]
         ks = list(next(iter(report["k_sweep"].values())).keys())
         lines += ["| engine | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
         for engine, cells in report["k_sweep"].items():
@@ -190,16 +213,19 @@ def markdown(report: dict) -> str:
         roof = report["roofline"]
         lines += [
             "",
-            "roofline at batch 1 (tok/s; bytes per step): "
+            "roofline at batch 1 at the run's opening bandwidth (tok/s; bytes per step): "
             + ", ".join(f"k={k}: {r['tok_s']:.1f} ({r['bytes_per_step'] / 1e6:.0f} MB)" for k, r in roof.items()),
+            "",
+            "fraction of the roofline at batch 1, each rep against the copy bandwidth measured next to it "
+            "(median; that bandwidth in GB/s):",
         ]
         for engine, cells in report["k_sweep"].items():
             fractions = [
-                f"k={k}: {100 * (1000 / c['ms_per_token_batch1']) / roof[k]['tok_s']:.0f}%"
+                f"k={k}: {100 * c['roofline_fraction_batch1']:.0f}% ({c['copy_gb_s']:.1f})"
                 for k, c in cells.items()
-                if isinstance(c, dict) and k in roof
+                if isinstance(c, dict)
             ]
-            lines.append(f"- {engine} fraction of the roofline: " + ", ".join(fractions))
+            lines.append(f"- {engine}: " + ", ".join(fractions))
         lines.append("")
     if "mixed" in report:
         m = report["mixed"]
