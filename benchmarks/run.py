@@ -46,7 +46,7 @@ def run_worker(
 ) -> dict | str:
     """{k: {batch: [tok/s ...]}} (with decode_cost, benchmarks.engines.measure_decode's cells), or the
     reason it could not run."""
-    model_dir = model.artifact if engine.startswith("moe-serve") else model.hf_dir
+    model_dir = model.artifact if engine.startswith("moe-serve") or engine == "vllm-plugin" else model.hf_dir
     command = [
         sys.executable,
         "-m",

@@ -93,7 +93,7 @@ def save_artifact(
         raise ArtifactError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
         )
-    _check_tensors(config, {name: tuple(t.shape) for name, t in state_dict.items()})
+    check_tensors(config, {name: tuple(t.shape) for name, t in state_dict.items()})
     tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in state_dict.items()}
     for name, t in tensors.items():
         if t.dtype not in STORAGE_DTYPES:
@@ -175,7 +175,7 @@ def load_artifact(
         if not (path / name).is_file():
             raise ArtifactError(f"{path} has no {name}")
     if verify_checksums:
-        _verify_checksums(path, manifest.get("checksums") or {})
+        check_checksums(path, manifest.get("checksums") or {})
     tokenizer = _read_tokenizer(path / TOKENIZER_FILE, config)
     if config.chat_template is not None:
         _check_chat_template(config.chat_template, path / CONFIG_FILE)
@@ -196,7 +196,7 @@ def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, d
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            _check_tensors(config, shapes)
+            check_tensors(config, shapes)
             for name in f.keys():
                 dtype_name = f.get_slice(name).get_dtype()
                 if dtype_name not in _SAFETENSORS_DTYPES:
@@ -243,7 +243,7 @@ def _check_chat_template(source: str, where: Path) -> None:
         raise ArtifactError(f"{where}: chat_template is not a valid Jinja template: {exc}") from None
 
 
-def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:
+def check_checksums(path: Path, checksums: dict[str, str]) -> None:
     for name in (WEIGHTS_FILE, TOKENIZER_FILE):
         recorded = checksums.get(name)
         if recorded is None:
@@ -256,7 +256,7 @@ def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:
             )
 
 
-def _check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     expected = expected_tensors(config)
     missing = [name for name in expected if name not in shapes]
     if missing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(os.environ.get("MOE_SERVE_ONNX_CACHE", ""), ignore_errors=True)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (test servers listen on 127.0.0.1 only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def lm_config(**overrides) -> ModelConfig:

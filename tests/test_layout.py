@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LATER_STAGES = ("server", "exporters", "cli", "batch", "evaluation", "loadtests")
+LATER_STAGES = ("server", "exporters", "cli", "batch", "evaluation", "loadtests", "vllm_plugin")
 
 
 def test_importing_the_runtime_loads_no_server_eval_or_plot_stack() -> None:

@@ -16,8 +16,9 @@ import pytest
 from moe_serve.config import EngineConfig
 from moe_serve.quality import QualityRow, QualityTable
 from moe_serve.server.settings import ServerSettings
+from tests.conftest import free_port
 from tests.deploy.system import require_binary
-from tests.server.conftest import free_port, start_server
+from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

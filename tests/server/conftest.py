@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,18 +17,12 @@ from moe_serve.server.app import create_app
 from moe_serve.server.lifecycle import build_server
 from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
-from tests.conftest import classifier_config, lm_config
+from tests.conftest import classifier_config, free_port, lm_config
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import free_port
+from tests.conftest import free_port
 from tests.server.test_batches_api import wait
 
 NUM_LINES = 200

