@@ -58,8 +58,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     return model
 
 
-def save_hf_model(name: str, directory: Path, seed: int = 0, **save_kwargs) -> Path:
-    model = build_hf_model(name, seed)
+def save_hf_model(name: str, directory: Path, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> Path:
+    model = build_hf_model(name, seed, **(overrides or {}))
     model.save_pretrained(directory, **save_kwargs)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), eos_token=END_OF_TEXT)
     tokenizer.save_pretrained(directory)

@@ -1,0 +1,34 @@
+"""Greedy tokens of vLLM + the plugin for one artifact at several k, in a process of its own (vLLM keeps
+process-wide state: one engine per process). Prints one JSON line {k: [token ids]}.
+
+    python -m tests.vllm.greedy_worker ARTIFACT --ks 1,8 --prompt 1,2,3 --max-tokens 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("--ks", required=True)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    args = parser.parse_args()
+    llm = LLM(args.artifact, dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    prompt = {"prompt_token_ids": [int(t) for t in args.prompt.split(",")]}
+    ks = [int(k) for k in args.ks.split(",")]
+    params = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, extra_args={"experts_per_token": k})
+        for k in ks
+    ]
+    outs = llm.generate([prompt] * len(ks), params, use_tqdm=False)  # every k in one batch
+    print("RESULT " + json.dumps({k: list(o.outputs[0].token_ids) for k, o in zip(ks, outs, strict=True)}))
+
+
+if __name__ == "__main__":
+    main()
