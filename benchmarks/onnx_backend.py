@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, decode_cost, run_worker, summary
+from benchmarks.run import ROOT, decode_cost, run_worker, throughput, throughput_table
 
 BACKENDS = {"torch": "moe-serve", "onnxruntime": "moe-serve-onnx"}  # backend -> benchmarks.engines name
 
@@ -39,10 +39,8 @@ def main() -> None:
     report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}, "k_sweep": {}}
     models = {name: build(name, args.cache) for name in args.models.split(",")}
     for name, model in models.items():
-        k = model.config["num_experts_per_tok"]
         for backend, engine in BACKENDS.items():
-            result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
-            cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
             report["throughput"].setdefault(name, {})[backend] = cell
             print(f"{name} {backend}: {cell}", flush=True)
     if "medium" in models:
@@ -65,16 +63,7 @@ def main() -> None:
 def markdown(report: dict) -> str:
     lines = []
     for name, backends in report["throughput"].items():
-        lines += [f"### {name}: greedy tok/s (min / median / max)", ""]
-        cells = [c for c in backends.values() if isinstance(c, dict)]
-        batches = list(cells[0]) if cells else []
-        lines += ["| backend | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
-        for backend, cell in backends.items():
-            if isinstance(cell, str):
-                lines.append(f"| {backend} | {cell} |")
-                continue
-            values = " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cell.values())
-            lines.append(f"| {backend} | {values} |")
+        lines += throughput_table(f"{name}: greedy", "backend", backends)
         torch_cell, onnx_cell = backends.get("torch"), backends.get("onnxruntime")
         if isinstance(torch_cell, dict) and isinstance(onnx_cell, dict):
             ratios = ", ".join(

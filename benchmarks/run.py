@@ -88,6 +88,34 @@ def decode_cost(cell: dict[str, list[dict[str, float]]], bytes_per_step: int) ->
     }
 
 
+def throughput(
+    engine: str, model: BenchModel, batches: list[int], reps: int, new_tokens: int, timeout: int
+) -> dict | str:
+    """{batch: min / median / max tok/s} of one engine at the model's own k, or why it could not run."""
+    k = model.config["num_experts_per_tok"]
+    result = run_worker(engine, model, batches, [k], reps, new_tokens, timeout)
+    return {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+
+
+def throughput_table(title: str, label: str, cells: dict[str, dict | str]) -> list[str]:
+    """Markdown: one row per engine (`throughput` cells), min / median / max per batch."""
+    batches = next((list(c) for c in cells.values() if isinstance(c, dict)), [])
+    lines = [
+        f"### {title} (tok/s, min / median / max)",
+        "",
+        f"| {label} | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
+    ]
+    for name, cell in cells.items():
+        values = (
+            cell
+            if isinstance(cell, str)
+            else " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cell.values())
+        )
+        lines.append(f"| {name} | {values} |")
+    return lines
+
+
 def summary(rates: list[float]) -> dict[str, float]:
     return {"min": min(rates), "median": statistics.median(rates), "max": max(rates)}
 
@@ -119,10 +147,8 @@ def main() -> None:
     if "throughput" not in skip:
         report["throughput"] = {}
         for name, model in models.items():
-            k = model.config["num_experts_per_tok"]
             for engine in engines:
-                result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
-                cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+                cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
                 report["throughput"].setdefault(name, {})[engine] = cell
                 print(f"{name} {engine}: {cell}", flush=True)
 
@@ -165,23 +191,8 @@ def markdown(report: dict) -> str:
         f"copy bandwidth {report['bandwidth']['copy_gb_s']:.1f} GB/s (read {report['bandwidth']['read_gb_s']:.1f})",
         "",
     ]
-    throughput = report.get("throughput", {})
-    for name, engines in throughput.items():
-        lines += [
-            f"### {name} (tok/s, min / median / max)",
-            "",
-            "| engine | " + " | ".join(f"batch {b}" for b in _batches(engines)) + " |",
-            "|---|" + "---|" * len(_batches(engines)),
-        ]
-        for engine, cells in engines.items():
-            if isinstance(cells, str):
-                lines.append(f"| {engine} | {cells} |")
-                continue
-            lines.append(
-                f"| {engine} | "
-                + " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cells.values())
-                + " |"
-            )
+    for name, engines in report.get("throughput", {}).items():
+        lines += throughput_table(name, "engine", engines)
         ours = engines.get("moe-serve")
         peers = {e: c for e, c in engines.items() if e != "moe-serve" and isinstance(c, dict)}
         if isinstance(ours, dict) and peers:
@@ -247,13 +258,6 @@ def markdown(report: dict) -> str:
             f"({kv['blocks']} blocks, {kv['tokens']} tokens)"
         )
     return "\n".join(lines)
-
-
-def _batches(engines: dict) -> list[str]:
-    for cells in engines.values():
-        if isinstance(cells, dict):
-            return list(cells)
-    return []
 
 
 if __name__ == "__main__":

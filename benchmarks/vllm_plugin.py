@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, run_worker, summary
+from benchmarks.run import ROOT, throughput, throughput_table
 
 ENGINES = ("vllm-plugin", "vllm-eager", "vllm", "moe-serve")
 
@@ -38,10 +38,8 @@ def main() -> None:
     report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}}
     for name in args.models.split(","):
         model = build(name, args.cache)
-        k = model.config["num_experts_per_tok"]
         for engine in ENGINES:
-            result = run_worker(engine, model, batches, [k], args.reps, args.new_tokens, args.timeout)
-            cell = {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
+            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
             report["throughput"].setdefault(name, {})[engine] = cell
             print(f"{name} {engine}: {cell}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,26 +52,14 @@ def main() -> None:
 def markdown(report: dict) -> str:
     lines = []
     for name, engines in report["throughput"].items():
-        batches = next((list(c) for c in engines.values() if isinstance(c, dict)), [])
-        lines += [
-            f"### {name} (tok/s, min / median / max)",
-            "",
-            "| engine | " + " | ".join(f"batch {b}" for b in batches) + " |",
-            "|---|" + "---|" * len(batches),
-        ]
-        for engine, cells in engines.items():
-            if isinstance(cells, str):
-                lines.append(f"| {engine} | {cells} |")
-                continue
-            values = " | ".join(f"{c['min']:.0f} / {c['median']:.0f} / {c['max']:.0f}" for c in cells.values())
-            lines.append(f"| {engine} | {values} |")
+        lines += throughput_table(name, "engine", engines)
         plugin = engines.get("vllm-plugin")
         if isinstance(plugin, dict):
             lines.append("")
             for other in ("vllm-eager", "vllm", "moe-serve"):
                 cells = engines.get(other)
                 if isinstance(cells, dict):
-                    ratios = ", ".join(f"batch {b}: {plugin[b]['median'] / cells[b]['median']:.2f}x" for b in batches)
+                    ratios = ", ".join(f"batch {b}: {plugin[b]['median'] / cells[b]['median']:.2f}x" for b in plugin)
                     lines.append(f"- vllm-plugin / {other} (medians): {ratios}")
         lines.append("")
     return "\n".join(lines)
