@@ -13,13 +13,12 @@ the load). Results go to benchmarks/results/onnx_backend.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, decode_cost, run_worker, throughput, throughput_table
+from benchmarks.run import ROOT, decode_cost, run_worker, throughput, throughput_table, write_results
 
 BACKENDS = {"torch": "moe-serve", "onnxruntime": "moe-serve-onnx"}  # backend -> benchmarks.engines name
 
@@ -53,11 +52,7 @@ def main() -> None:
                     cell = decode_cost(cell, models["medium"].decode_bytes(k))
                 report["k_sweep"].setdefault(backend, {})[str(k)] = cell
             print(f"k sweep {backend}: {report['k_sweep'][backend]}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    args.out.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    write_results(report, markdown(report), args.out)
 
 
 def markdown(report: dict) -> str:

@@ -181,9 +181,15 @@ def main() -> None:
         }
         print(f"mixed: {report['mixed']}", flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(markdown(report))
+    write_results(report, markdown(report), args.out)
+
+
+def write_results(report: dict, text: str, out: Path) -> None:
+    """The report as JSON at `out`, its markdown beside it (.md) and on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
 
 
 def markdown(report: dict) -> str:

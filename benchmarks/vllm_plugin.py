@@ -13,13 +13,12 @@ benchmarks/results/vllm_plugin.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, throughput, throughput_table
+from benchmarks.run import ROOT, throughput, throughput_table, write_results
 
 ENGINES = ("vllm-plugin", "vllm-eager", "vllm", "moe-serve")
 
@@ -42,11 +41,7 @@ def main() -> None:
             cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
             report["throughput"].setdefault(name, {})[engine] = cell
             print(f"{name} {engine}: {cell}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    args.out.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    write_results(report, markdown(report), args.out)
 
 
 def markdown(report: dict) -> str:
