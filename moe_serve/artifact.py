@@ -204,7 +204,7 @@ def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, d
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
-                tensors[name] = hugepages.place(tensor.to(device=device, dtype=dtype))
+                tensors[name] = hugepages.place(tensor.to(device=device), dtype)  # one copy on the CPU
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files

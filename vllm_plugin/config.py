@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -113,16 +114,25 @@ class MoeServeConfigParser(HFConfigParser):
             return super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
         path = Path(model)
         manifest, config = read_manifest(path)
-        # What moe_serve.artifact.load_artifact checks before anything is allocated (vLLM reads the
-        # safetensors file itself).
-        check_checksums(path, manifest.get("checksums") or {})
-        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-            check_tensors(config, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        weights = path / WEIGHTS_FILE
+        stat = weights.stat()
+        _check_artifact(str(path), stat.st_size, stat.st_mtime_ns)
         problems = unsupported(config)
         if problems:
             raise ValueError(f"moe-serve artifact {model} cannot run in vLLM: " + "; ".join(problems))
         hf_config = MoeServeConfig(moe_serve_model=manifest["model"])
         return hf_config.to_dict(), hf_config
+
+
+@functools.lru_cache(maxsize=8)
+def _check_artifact(path: str, size: int, mtime_ns: int) -> None:
+    """What moe_serve.artifact.load_artifact checks before anything is allocated (vLLM reads the safetensors
+    file itself): checksums, every tensor's name and shape. vLLM parses the config several times per
+    process; the weights are hashed once per file version (size and modification time)."""
+    manifest, config = read_manifest(path)
+    check_checksums(Path(path), manifest.get("checksums") or {})
+    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+        check_tensors(config, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
 
 
 class ModelConfigHook(VerifyAndUpdateConfig):
@@ -147,6 +157,11 @@ class ModelConfigHook(VerifyAndUpdateConfig):
             refusals.append(
                 "platforms other than CPU: per-request k is wired into the V1 model runner of vLLM's CPU build "
                 "(the GPU build's default V2 runner is not wired yet)"
+            )
+        if vllm_config.model_config.runner_type != "generate":
+            refusals.append(
+                f"--runner {vllm_config.model_config.runner_type} (the plugin serves generation; per-request k "
+                "does not reach vLLM's pooling runner)"
             )
         if parallel.worker_cls not in ("auto", WORKER):
             refusals.append(f"--worker-cls {parallel.worker_cls} (the plugin installs its own, {WORKER})")

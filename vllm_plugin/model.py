@@ -113,6 +113,7 @@ class MoeServeForCausalLM(nn.Module):
             self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size))
         moe = config.moe
         self.default_k = moe.default_k if moe is not None else 1
+        self.min_k = moe.min_k if moe is not None else 1
         self.max_k = moe.max_k if moe is not None else 1
         # Each token's k for the step being run (the worker writes the first T entries before each step);
         # a dummy step (vLLM's profiling and warm-up) runs at the default k.

@@ -26,10 +26,14 @@ def serve(config: ModelConfig) -> None:
     _served = config
 
 
-def requested_k(extra_args: dict[str, Any] | None, default: int) -> int:
-    """The k a (validated) request asked for, or the model's default."""
-    value = (extra_args or {}).get(KEY)
-    return default if value is None else int(value)
+def requested_k(params: Any, default: int, low: int, high: int) -> int:
+    """The k a request asked for (SamplingParams.extra_args), or the model's default. The validator refused
+    anything else where vLLM validates; a request that reached the engine by a path that skips validation
+    gets the default for a non-integer and the nearest allowed k for one out of range, never a crash."""
+    value = ((getattr(params, "extra_args", None) or {}) if params is not None else {}).get(KEY)
+    if value is None or isinstance(value, bool) or not isinstance(value, int):
+        return default
+    return min(max(value, low), high)
 
 
 class ExpertsPerTokenValidator(LogitsProcessor):
@@ -81,7 +85,7 @@ def register() -> None:
         keys = original(request)
         params = getattr(request, "sampling_params", None)
         value = (params.extra_args or {}).get(KEY) if params is not None else None
-        return keys if value is None else [*keys, (KEY, int(value))]
+        return keys if value is None else [*keys, (KEY, str(value))]  # as given: never raises here
 
     lora_and_k_keys.moe_serve = True  # type: ignore[attr-defined]
     kv_cache_utils._gen_lora_extra_hash_keys = lora_and_k_keys

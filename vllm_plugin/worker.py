@@ -28,7 +28,7 @@ class MoeServeCPUWorker(CPUWorker):
             model = runner.get_model()
             batch = runner.input_batch
             ks = [
-                requested_k(runner.requests[req_id].sampling_params.extra_args, model.default_k)
+                requested_k(runner.requests[req_id].sampling_params, model.default_k, model.min_k, model.max_k)
                 for req_id in batch.req_ids[: batch.num_reqs]
             ]
             model.set_experts_per_token(

@@ -10,7 +10,8 @@ one process.
 Linux only hands huge pages to private anonymous mappings that ask for them (`madvise`, the default
 `transparent_hugepage` mode), which PyTorch's allocator does not do unless THP_MEM_ALLOC_ENABLE is set
 before its first allocation. Elsewhere, or for small tensors, this is plain `torch.empty`. Pages are
-committed on first touch, as with torch.empty, so an unwritten KV block costs no memory.
+committed on first touch, 2 MiB at a time (a KV block's first write commits its whole huge page; with the
+kernel's default `defrag=madvise` that first fault may compact memory).
 """
 
 from __future__ import annotations
@@ -36,16 +37,24 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     if device.type != "cpu" or nbytes < HUGE_PAGE or not supported():
         return torch.empty(shape, dtype=dtype, device=device)
     # Private and anonymous: a shared mapping (mmap.mmap(-1, n)'s default) is shmem, which gets no THP.
+    # A whole number of huge pages: kernels that align only such mappings to 2 MiB still align this one.
     # The tensor holds a reference to the mapping, which is unmapped when the last tensor using it goes.
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP, or a sandbox refusing madvise: the advice is optional
+        pass
     return torch.frombuffer(region, dtype=dtype, count=numel).view(shape)
 
 
-def place(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` copied into huge-page memory (contiguous) where `empty` would use it; else `tensor` itself."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < HUGE_PAGE or not supported():
-        return tensor
-    out = empty(tensor.shape, tensor.dtype)
-    out.copy_(tensor)
+@torch.no_grad()
+def place(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` as `dtype` (default: its own), copied into huge-page memory (contiguous) where `empty` would
+    use it, in one copy; else `tensor.to(dtype)`."""
+    dtype = dtype or tensor.dtype
+    nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not supported():
+        return tensor.detach().to(dtype)
+    out = empty(tensor.shape, dtype)
+    out.copy_(tensor.detach())
     return out

@@ -32,7 +32,7 @@ def advised_huge(tensor: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_place_copies_exactly_into_advised_memory(dtype) -> None:
-    source = torch.randn(2048, 1024).to(dtype)[:, :768]  # 3 MiB fp32 / 1.5 MiB bf16, not contiguous
+    source = torch.randn(2048, 1024).to(dtype)[:, :768]  # 6 MiB fp32 / 3 MiB bf16, not contiguous
     placed = hugepages.place(source)
     assert torch.equal(placed, source) and placed.dtype == dtype and placed.is_contiguous()
     big_enough = source.numel() * source.element_size() >= hugepages.HUGE_PAGE
@@ -43,6 +43,15 @@ def test_place_copies_exactly_into_advised_memory(dtype) -> None:
 def test_small_tensors_are_ordinary_allocations() -> None:
     small = hugepages.empty((16, 16), torch.float32)
     assert small.shape == (16, 16) and not advised_huge(small)
+    source = torch.randn(256, 256)  # 256 KiB
+    assert not advised_huge(hugepages.place(source))
+    assert hugepages.place(source, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_place_converts_dtype_in_one_copy() -> None:
+    source = torch.randn(2048, 1024)
+    placed = hugepages.place(source, torch.bfloat16)
+    assert placed.dtype == torch.bfloat16 and torch.equal(placed, source.to(torch.bfloat16)) and advised_huge(placed)
 
 
 def test_engine_weights_and_kv_pool_use_huge_pages(make_artifact) -> None:

@@ -157,3 +157,8 @@ def test_what_vllm_cannot_run_is_refused_at_load_by_name(tmp_path, overrides, na
     artifact = create_random_artifact(tmp_path / "refused", config)
     with pytest.raises(Exception, match=named):
         LLM(str(artifact), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
+
+
+def test_pooling_runner_is_refused_by_name(plugin_artifact) -> None:
+    with pytest.raises(Exception, match="--runner pooling"):
+        LLM(str(plugin_artifact), runner="pooling", dtype="float32", enforce_eager=True, max_model_len=256)
