@@ -8,6 +8,7 @@ Legend: T tokens of the step, H query heads, G key/value heads, Dh head dim, D h
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,11 +18,10 @@ from vllm.model_executor.layers.attention import Attention
 
 from moe_serve.kernels import ops
 from moe_serve.layers.batch import ForwardBatch
-from moe_serve.layers.ffn import FFN
-from moe_serve.layers.moe import MoEBlock
 from moe_serve.layers.norm import RMSNorm, make_norm
 from moe_serve.layers.positions import rotary_cos_sin
 from moe_serve.model_config import ModelConfig
+from moe_serve.models.transformer import DecoderLayer
 
 
 class MoeServeAttention(nn.Module):
@@ -69,31 +69,22 @@ class MoeServeAttention(nn.Module):
         return ops.linear(out.reshape(t, h * dh), self.o_proj.weight, self.o_proj.bias)
 
 
-class MoeServeDecoderLayer(nn.Module):
+@dataclass(frozen=True, slots=True)
+class VllmBatch(ForwardBatch):
+    """moe-serve's batch (each token's k) with vLLM's positions, which the plugin's attention reads."""
+
+    positions: torch.Tensor | None = None
+
+
+class MoeServeDecoderLayer(DecoderLayer):
+    """moe-serve's decoder layer (norms, FFN or MoE block, pre/post norm) around vLLM's attention."""
+
     def __init__(self, config: ModelConfig, index: int, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__()
-        self.is_pre_norm = config.norm_position == "pre"
-        self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.attn = MoeServeAttention(config, vllm_config, f"{prefix}.attn")
-        self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.index = index
-        self.is_moe = config.is_moe_layer(index)
-        if self.is_moe:
-            assert config.moe is not None
-            self.moe = MoEBlock(config.moe, config.hidden_size, config.norm_eps)
-        else:
-            self.ffn = FFN(config.ffn, config.hidden_size)
+        super().__init__(config, index, attention=MoeServeAttention(config, vllm_config, f"{prefix}.attn"))
 
-    def _ffn(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.moe(x, batch, self.index) if self.is_moe else self.ffn(x)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """As moe_serve.models.transformer.DecoderLayer."""
-        if self.is_pre_norm:
-            h = h + self.attn(positions, self.attn_norm(h))
-            return h + self._ffn(self.ffn_norm(h), batch)
-        h = self.attn_norm(h + self.attn(positions, h))
-        return self.ffn_norm(h + self._ffn(h, batch))
+    def _attn(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, None]:
+        assert isinstance(batch, VllmBatch)
+        return self.attn(batch.positions, x), None
 
 
 class MoeServeForCausalLM(nn.Module):
@@ -140,9 +131,9 @@ class MoeServeForCausalLM(nn.Module):
         # The MoE blocks of stateless routers read only top_k and max_k; max_k is the artifact's largest k,
         # so the shapes never depend on the step's requests. Slots beyond a token's own k are id -1, never computed.
         top_k = self.experts_per_token[:t].to(h.device)
-        batch = ForwardBatch(attention=None, top_k=top_k, max_k=self.max_k)  # type: ignore[arg-type]
+        batch = VllmBatch(attention=None, top_k=top_k, max_k=self.max_k, positions=positions)  # type: ignore[arg-type]
         for layer in self.layers:
-            h = layer(positions, h, batch)
+            h = layer(h, batch)
         return self.norm(h) if self.config.final_norm else h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ from moe_serve.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, attention: nn.Module | None = None) -> None:
+        """attention: another runtime's attention for this layer (the vLLM plugin's); default moe-serve's."""
         super().__init__()
         self.index = index
         self.is_pre_norm = config.norm_position == "pre"
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = attention if attention is not None else Attention(config)
         self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
