@@ -178,6 +178,32 @@ def _save_quality(rows: list, targets: list[Path]) -> None:
         QualityTable(tuple(rows)).merge_into(path)
 
 
+def _stored_quality(args: argparse.Namespace) -> int:
+    """`moe-serve eval --stored`: each model's seed summary (provenance `seeds`), language models and
+    classifiers in their own tables."""
+    from moe_serve.artifact import read_manifest
+    from moe_serve.evaluation.table import format_seed_table
+    from moe_serve.registry import bundled_models, resolve_model
+
+    paths = {str(m): resolve_model(m) for m in args.models} if args.models else bundled_models()
+    by_task: dict[str, dict[str, dict]] = {}
+    for name, path in paths.items():
+        manifest, config = read_manifest(path)
+        summary = (manifest.get("provenance") or {}).get("seeds")
+        if summary is None:
+            if args.models:
+                raise ValidationError(
+                    f"{name} carries no figures over training seeds (its provenance has no 'seeds'; "
+                    "recipes.build_demos writes them)",
+                    parameter="models",
+                )
+            continue
+        by_task.setdefault(config.task, {})[path.name] = summary
+    text = "\n".join(f"[{task}]\n{format_seed_table(summaries)}" for task, summaries in sorted(by_task.items()))
+    _emit(args, {"seeds": {t: s for t, s in sorted(by_task.items())}}, text)
+    return 0
+
+
 def evaluate(args: argparse.Namespace) -> int:
     from moe_serve.evaluation.plot import plot
     from moe_serve.evaluation.runner import evaluate as run_eval
@@ -187,6 +213,10 @@ def evaluate(args: argparse.Namespace) -> int:
     from moe_serve.moe_policy import MoEPolicy
     from moe_serve.quality import QUALITY_FILE
 
+    if args.stored:
+        return _stored_quality(args)
+    if not args.models:
+        raise ValidationError("name at least one MODEL to evaluate (or --stored)", parameter="models")
     requested = int_list(args.k, "k")
     policies = MoEPolicy.parse_sweep(args.moe) if args.moe else []
     output_dir = args.output_dir

@@ -52,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "eval", help="quality against k on a held-out dataset (table, CSV, PNG, quality.json)"
     )
-    evaluate.add_argument("models", nargs="+", metavar="MODEL")
+    evaluate.add_argument("models", nargs="*", metavar="MODEL")
+    evaluate.add_argument(
+        "--stored",
+        action="store_true",
+        help="print the MODELs' (default: every bundled demo's) figures over training seeds, as stored in "
+        "their provenance by recipes.build_demos, side by side; evaluates nothing",
+    )
     evaluate.add_argument(
         "--k", default=None, help="comma-separated k values (default: 1, 2, 4, ... up to the model's max)"
     )

@@ -43,3 +43,30 @@ def format_table(rows: list[QualityRow]) -> str:
 def _adaptive_lines(rows: list[QualityRow]) -> list[str]:
     """Adaptive-policy runs, one line each: the policy, the mean k it took, the value."""
     return [f"{r.model or ''}  {r.policy}  mean k={r.k:.3f}  {r.value:.4f}" for r in rows]
+
+
+def format_seed_table(summaries: dict[str, dict]) -> str:
+    """Recipes side by side: for each metric, a model per row and k per column, each cell the mean and
+    sample standard deviation over the recipe's training seeds (an artifact's provenance `seeds`, written
+    by recipes.build_demos); `n` seeds, and which one the artifact is."""
+    lines = []
+    cells = [(model, q) for model, summary in summaries.items() for q in summary["quality"]]
+    for metric in sorted({q["metric"] for _, q in cells}):
+        subset = [(model, q) for model, q in cells if q["metric"] == metric]
+        ks = sorted({q["k"] for _, q in subset})
+        models = list(dict.fromkeys(model for model, _ in subset))
+        width = max(len(m) for m in models) + 2
+        lines.append(f"{metric} (mean ± std over seeds)")
+        lines.append(" " * width + "".join(f"{'k=' + str(k):>17}" for k in ks) + "   seeds (bundled)")
+        for model in models:
+            by_k = {q["k"]: q for m, q in subset if m == model}
+            row = "".join(f"{_mean_std(by_k[k]):>17}" if k in by_k else f"{'-':>17}" for k in ks)
+            summary = summaries[model]
+            lines.append(f"{model:<{width}}{row}   {len(summary['seeds'])} ({summary['bundled_seed']})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _mean_std(cell: dict) -> str:
+    std = cell.get("std")
+    return f"{cell['mean']:.4f} ± {std:.4f}" if std is not None else f"{cell['mean']:.4f}"

@@ -22,6 +22,7 @@ FORMATS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "moesart": ("genre_encoder", "export", ("moesart",)),
     "smear": ("genre_encoder", "export", ("smear",)),
     "topk": ("genre_encoder", "export", ("topk",)),
+    "switch": ("genre_encoder", "export", ("switch",)),
 }
 
 

@@ -161,7 +161,10 @@ class TrainingCheckpoint(SafetensorsCheckpoint):
         return self.model_config[name]
 
     def provenance(self, exporter: str, folded: str) -> dict:
-        keys = ("recipe", "command", "seed", "steps", "split", "metrics")
+        keys = (
+            *("recipe", "command", "seed", "steps", "split", "optimizer", "weight_decay", "autocast"),
+            *("hyperrouter_embedding_lr_scale", "metrics", "seeds"),
+        )
         return {
             "exporter": exporter,
             "source_sha256": self.sha256(),

@@ -1,4 +1,4 @@
-"""Encoder classifiers (recipes/encoder.py) routed by MOESART, SMEAR or top-k -> artifacts.
+"""Encoder classifiers (recipes/encoder.py) routed by MOESART, SMEAR, top-k or switch -> artifacts.
 
 Formats:
 - `moesart`: the temperature, the sampling path and the trimmed-lasso state are dropped (selection is
@@ -7,7 +7,10 @@ Formats:
   (W_eff[:, n] = LN_C(w_n)); the input LayerNorm stays as the router's input norm; the adapters (stored
   input-major with a leading num_routers = 1 dimension) become an `adapter` expert bank; `soft_merge`
   with a masked mean pool. Default k = N (exact SMEAR).
-- `topk`: the baseline's linear gate, `topk_softmax` normalize=true.
+- `topk`: MOESART's top-k baseline (the fairseq fork's TopKGate, a linear gate with bias),
+  `topk_softmax` normalize=true.
+- `switch`: SMEAR's Top-k baseline: SMEAR's router and adapters folded as for `smear`; router
+  `example_topk` (each example's argmax adapter scaled by p_max), trained k = 1.
 Backbone: nn.MultiheadAttention's packed in_proj is split into q/k/v.
 """
 
@@ -25,7 +28,8 @@ from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 FOLDED = {
     "moesart": "temperature tau, sampling (Eq. 3 re-weighting) and trimmed-lasso state dropped; weights 1/k",
     "smear": "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]",
-    "topk": "linear gate kept as the router",
+    "topk": "linear gate (with bias) kept as the router",
+    "switch": "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]",
 }
 
 
@@ -34,11 +38,16 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
     if method == "smear":
         expert = FFNConfig("adapter", ckpt.hyper("d_expert"), "silu")
         router = RouterConfig("soft_merge", input_norm="layernorm")
-        k = ExpertsPerToken(default=n, min=1, max=n)
+        k = ExpertsPerToken(default=n, min=1, max=n)  # soft_merge's own rule flags k < N
+    elif method == "switch":  # SMEAR's router and adapters, each example's argmax adapter x p_max
+        expert = FFNConfig("adapter", ckpt.hyper("d_expert"), "silu")
+        router = RouterConfig("example_topk", input_norm="layernorm")
+        k = ExpertsPerToken(default=1, min=1, max=n, validated=(1,))
     else:
         expert = FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True)
-        router = RouterConfig("topk_uniform", use_bias=True) if method == "moesart" else RouterConfig("topk_softmax")
-        k = ExpertsPerToken(default=ckpt.hyper("k"), min=1, max=n)
+        router = RouterConfig("topk_uniform" if method == "moesart" else "topk_softmax", use_bias=True)
+        trained = ckpt.hyper("k")
+        k = ExpertsPerToken(default=trained, min=1, max=n, validated=(trained,))
     layers = ckpt.hyper("n_layer")
     return ModelConfig(
         task="sequence_classification",
@@ -83,15 +92,14 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
             out[dst + f"{ours}.weight"] = ckpt.get(src + f"{theirs}.weight", (d,))
             out[dst + f"{ours}.bias"] = ckpt.get(src + f"{theirs}.bias", (d,))
         moe_src, moe_dst = src + "moe.", dst + "moe."
-        if method == "smear":
+        if method in ("smear", "switch"):
             out.update(_smear_layer(ckpt, moe_src + "adapter_controller.", moe_dst, n, d, f))
         else:
-            gate = moe_src + ("gate.gate_weights." if method == "moesart" else "gate.wg.")
+            gate = moe_src + ("gate.gate_weights." if method == "moesart" else "gate.layer.")
             if gate + "weight" not in ckpt:
                 raise ExportError(f"missing key '{gate}weight': a {method} checkpoint has that gate in every MoE layer")
             out[moe_dst + "router.weight"] = ckpt.get(gate + "weight", (n, d))
-            if method == "moesart":
-                out[moe_dst + "router.bias"] = ckpt.get(gate + "bias", (n,))
+            out[moe_dst + "router.bias"] = ckpt.get(gate + "bias", (n,))
             for name, shape, bias_shape in (("fc1", (f, d), (f,)), ("fc2", (d, f), (d,))):
                 out[moe_dst + f"experts.{name}.weight"] = torch.stack(
                     [ckpt.get(f"{moe_src}experts.{e}.{name}.weight", shape) for e in range(n)]

@@ -57,8 +57,16 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
             router=graph_router(ckpt, method) or RouterConfig("topk_softmax", normalize=True, use_bias=True),
-            # The training schedule ends at top_k_max: that is the trained k.
-            experts_per_token=ExpertsPerToken(default=ckpt.hyper("top_k_max"), min=1, max=n),
+            # The training schedule ends at top_k_max: that is the trained k. It ran every k from top_k_min
+            # up; below it results are flagged approximate (graph routers: their kind's rule, K_train only).
+            experts_per_token=ExpertsPerToken(
+                default=ckpt.hyper("top_k_max"),
+                min=1,
+                max=n,
+                validated=None
+                if method in GRAPH_METHODS
+                else tuple(range(ckpt.hyper("top_k_min"), ckpt.hyper("top_k_max") + 1)),
+            ),
         )
     return ModelConfig(
         task="causal_lm",

@@ -67,6 +67,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_router_tensor(name: str) -> bool:
+    """Router weights (the router linear and SMEAR's router input norm) are stored and loaded in fp32
+    whatever the dtype of the rest (DESIGN section 3: bf16 rounding flips top-k sets)."""
+    return ".moe.router." in name or ".moe.router_norm." in name
+
+
+def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` is written or loaded in when the model's dtype is `dtype`."""
+    return torch.float32 if is_router_tensor(name) and dtype.itemsize < 4 else dtype
+
+
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical tensor names and shapes for a config (built on the meta device: no memory used)."""
     with torch.device("meta"):
@@ -94,7 +105,9 @@ def save_artifact(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
         )
     check_tensors(config, {name: tuple(t.shape) for name, t in state_dict.items()})
-    tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in state_dict.items()}
+    tensors = {
+        name: t.detach().to("cpu", storage_dtype(name, dtype or t.dtype)).contiguous() for name, t in state_dict.items()
+    }
     for name, t in tensors.items():
         if t.dtype not in STORAGE_DTYPES:
             raise ArtifactError(f"tensor '{name}' has dtype {t.dtype}; artifacts store float32, float16 or bfloat16")
@@ -204,7 +217,7 @@ def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, d
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
-                tensors[name] = hugepages.place(tensor.to(device=device), dtype)  # one copy on the CPU
+                tensors[name] = hugepages.place(tensor.to(device=device), storage_dtype(name, dtype))  # one copy
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files

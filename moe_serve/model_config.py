@@ -219,12 +219,20 @@ class ExpertsPerToken:
     default: int
     min: int = 1
     max: int | None = None  # None: num_experts
+    # The k this model was trained or validated at (DESIGN section 3): any other allowed k is served but
+    # flagged approximate. None: every k (imports, and kinds whose own rule says which k are exact).
+    validated: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("default", "min"):
             _check_size(f"experts_per_token.{name}", getattr(self, name), MAX_EXPERTS)
         if self.max is not None:
             _check_size("experts_per_token.max", self.max, MAX_EXPERTS)
+        if self.validated is not None:
+            if not self.validated or len(self.validated) > MAX_EXPERTS:
+                raise ConfigError(f"experts_per_token.validated must list 1..{MAX_EXPERTS} k; got {self.validated}")
+            for k in self.validated:
+                _check_size("experts_per_token.validated[]", k, MAX_EXPERTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +256,10 @@ class MoEConfig:
             raise ConfigError(
                 f"experts_per_token range must satisfy 1 <= min <= default <= max <= num_experts "
                 f"({self.num_experts}); got min={k.min}, default={k.default}, max={k_max}"
+            )
+        if k.validated is not None and not all(k.min <= v <= k_max for v in k.validated):
+            raise ConfigError(
+                f"experts_per_token.validated must lie in the allowed range {k.min}..{k_max}; got {list(k.validated)}"
             )
         if self.shared_expert_gate and self.shared_expert is None:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_expert")
@@ -281,10 +293,14 @@ class MoEConfig:
         return self.experts_per_token.default
 
     def is_approximate(self, k: int) -> bool:
-        """Whether k is one the router kind does not define exactly (soft_merge below N, say)."""
+        """Whether k is one the router kind does not define exactly (soft_merge below N, say), or one this
+        model was never validated at (experts_per_token.validated)."""
         from moe_serve.layers.routers import router_class
 
-        return router_class(self.router.kind).is_approximate(k, self.num_experts, self.experts_per_token.default)
+        validated = self.experts_per_token.validated
+        return (validated is not None and k not in validated) or router_class(self.router.kind).is_approximate(
+            k, self.num_experts, self.experts_per_token.default
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,10 +436,12 @@ class ModelConfig:
                     f"router kind attention needs router.heads: one head in 0..{self.num_heads - 1} per MoE layer "
                     f"(its h*, in moe.layers order; {len(self.moe.layers)} layers); got {list(heads)}"
                 )
-            if self.moe.router.kind == "soft_merge" and self.task != "sequence_classification":
+            from moe_serve.layers.routers import router_class  # the routers import this module
+
+            if router_class(self.moe.router.kind).per_sequence and self.task != "sequence_classification":
                 raise ConfigError(
-                    "router kind soft_merge decides once per complete input (SMEAR), so it is served for "
-                    "task sequence_classification only; this config has task causal_lm"
+                    f"router kind {self.moe.router.kind} decides once per complete input, so it is served for "
+                    f"task sequence_classification only; this config has task {self.task}"
                 )
         if self.task == "sequence_classification":
             if self.classifier is None:

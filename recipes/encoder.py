@@ -9,7 +9,10 @@ Method parts follow the official parameterisations and key names (methods/moesar
   leading num_routers dim 1), `multi_routers.router_weights` [1, C, N] with the input LayerNorm and the
   LayerNorm of the router weight; one routing decision per example from the mean-pooled block input,
   expert parameters merged; expert dropout 0.1 in training.
-- top-k baseline: `moe.gate.wg.weight`, softmax over the top-k logits, experts as MOESART's.
+- top-k baseline (MOESART's): the fairseq fork's `TopKGate` (`moe.gate.layer.{weight,bias}`: a linear gate
+  with bias), softmax over the top-k logits, experts as MOESART's.
+- switch baseline (SMEAR's "Top-k", code `switch_routing`): SMEAR's router and adapters, one decision per
+  example, the argmax adapter applied and its output scaled by p_max; no expert dropout.
 The backbone (embeddings, attention, norms, head) is this project's own.
 """
 
@@ -26,7 +29,7 @@ from moe_serve.evaluation.datasets.shakespeare import GENRES
 
 @dataclass
 class EncoderConfig:
-    method: str  # moesart | smear | topk
+    method: str  # moesart | smear | topk | switch
     vocab_size: int = 257
     d_model: int = 128
     n_head: int = 4
@@ -76,12 +79,12 @@ class MOESARTGate(nn.Module):
 class TopKGate(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
-        self.wg = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.layer = nn.Linear(cfg.d_model, cfg.num_experts, bias=True)  # the fork's TopKGate: bias=True
         self.k = cfg.k
         self.loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, indices = torch.topk(self.wg(x).float(), self.k, dim=-1)
+        values, indices = torch.topk(self.layer(x).float(), self.k, dim=-1)
         return indices, torch.softmax(values, dim=-1)
 
 
@@ -155,11 +158,14 @@ class SMEAR(nn.Module):
         # serving runtime's approximation, defined here so the exporter test can compare it.
         self.k = cfg.num_experts
 
+    def route(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, L, C] -> the router's p [B, N] from the masked mean (equals the official mean without padding)."""
+        m = mask[..., None].to(x.dtype)
+        return self.adapter_controller.multi_routers((x * m).sum(1) / m.sum(1).clamp(min=1))
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ctrl = self.adapter_controller
-        m = mask[..., None].to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1)  # masked mean (equals the official mean without padding)
-        p = ctrl.multi_routers(pooled)  # [B, N]
+        p = self.route(x, mask)  # [B, N]
         if self.training and ctrl.expert_dropout > 0:
             keep = (torch.rand_like(p) > ctrl.expert_dropout).to(p.dtype)
             p = (p * keep + 1e-10) / (p * keep + 1e-10).sum(-1, keepdim=True)
@@ -173,13 +179,36 @@ class SMEAR(nn.Module):
         return torch.bmm(F.silu(torch.bmm(x, down) + bias[:, None, :]), up)
 
 
+class Switch(SMEAR):
+    """SMEAR's "Top-k" baseline (`switch_routing`): the same router and adapters; each example's top-k
+    adapters by p, each applied (not merged) and its output scaled by its p (k = 1 in the paper: argmax x
+    p_max; p is not renormalised). No expert dropout (the paper's plain Top-k row)."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__(cfg)
+        self.adapter_controller.expert_dropout = 0.0
+        self.k = 1
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        p = self.route(x, mask)  # [B, N]
+        values, indices = torch.topk(p, self.k, dim=-1)
+        adapters = self.adapter_controller.multi_adapters
+        out = torch.zeros_like(x)
+        for slot in range(self.k):
+            e = indices[:, slot]
+            down, bias = adapters.down_samplers_weights[0, e], adapters.down_samplers_bias[0, e]  # [B, C, m], [B, m]
+            h = F.silu(torch.bmm(x, down) + bias[:, None, :])
+            out = out + values[:, slot, None, None] * torch.bmm(h, adapters.up_samplers_weights[0, e])
+        return out
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.self_attn = nn.MultiheadAttention(cfg.d_model, cfg.n_head, dropout=cfg.dropout, batch_first=True)
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.moe = SMEAR(cfg) if cfg.method == "smear" else TokenMoE(cfg)
+        self.moe = {"smear": SMEAR, "switch": Switch}.get(cfg.method, TokenMoE)(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

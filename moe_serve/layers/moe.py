@@ -73,7 +73,7 @@ class MoEBlock(nn.Module):
     ) -> torch.Tensor:
         """x [T, D] -> [T, D]; attention: the same layer's attention, for a router that reads it."""
         if self.routing.per_sequence:
-            out = self._forward_merged(x, batch)
+            out = self._forward_per_sequence(x, batch)
         else:
             state = None
             if self._stateful:
@@ -104,15 +104,19 @@ class MoEBlock(nn.Module):
         ones = torch.ones(pattern.shape, dtype=torch.float32, device=x.device)
         return ops.moe_experts(x, pattern, ones, self._hyper_bank or self.hyper.weights())
 
-    def _forward_merged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _forward_per_sequence(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One routing decision per sequence from the mean of its tokens; every token of the sequence then
-        goes through the merged expert."""
+        goes through the merged expert (SMEAR), or through each chosen expert (example_topk)."""
         lens = batch.attention.seq_lens
         pooled = torch.stack([part.float().mean(0) for part in x.split(lens)])  # [S, D]
         if self.config.router.input_norm is not None:
             pooled = self.router_norm(pooled)
         topk_ids, topk_weights = self.routing.route(self.router_logits(pooled), batch.seq_top_k, batch.max_k)
-        self._count(topk_ids, torch.tensor(lens, device=x.device))  # every token of a sequence uses its experts
+        lens_t = torch.tensor(lens, device=x.device)
+        self._count(topk_ids, lens_t)  # every token of a sequence uses its experts
+        if not self.routing.merges_experts:
+            ids, weights = topk_ids.repeat_interleave(lens_t, dim=0), topk_weights.repeat_interleave(lens_t, dim=0)
+            return ops.moe_experts(x, ids, weights, self._bank or self.experts.weights())
         parts = [
             self.experts.forward_merged(part, ids, weights)
             for part, ids, weights in zip(x.split(lens), topk_ids, topk_weights, strict=True)

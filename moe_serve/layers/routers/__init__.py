@@ -10,6 +10,7 @@ from moe_serve.layers.routers.base import Router, RouterState, register, router_
 # Importing the built-in kinds registers them.
 from moe_serve.layers.routers import (  # noqa: E402, F401  isort: skip
     attention_aware,
+    example_topk,
     hyper_expert,
     similarity,
     soft_merge,

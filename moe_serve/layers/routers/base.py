@@ -64,6 +64,8 @@ class RouterState:
 class Router(ABC):
     kind: str = ""
     per_sequence: bool = False  # one decision per whole input: the MoE block routes its pooled mean
+    # per_sequence kinds: merge the chosen experts' parameters into one expert (SMEAR), or apply each.
+    merges_experts: bool = False
     # Whether a top-p policy (moe_serve.moe_policy) is defined for the kind: it picks each token's experts
     # by the full softmax of its own router logits, largest first, so "experts in order of router
     # probability" is its own order. Off unless a kind says so: requests with a policy are then refused.

@@ -14,6 +14,7 @@ from moe_serve.layers.routers.base import Router, RouterState, register
 @register("soft_merge")
 class SoftMerge(Router):
     per_sequence = True
+    merges_experts = True
 
     def route(
         self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
