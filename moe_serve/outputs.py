@@ -86,7 +86,7 @@ class ClassificationOutput:
     label: str
     probs: dict[str, float]
     experts_per_token: int | None
-    approximate: bool = False  # soft_merge with k < N: a top-k merge, not exact SMEAR
+    approximate: bool = False  # k not exact for the method (soft_merge below N) or never trained at (validated)
     experts: ExpertCounts | None = None
 
 

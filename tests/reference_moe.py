@@ -106,13 +106,23 @@ def reference_moe(
     b_router = None if block.router.bias is None else block.router.bias.double()
     for b in range(x.shape[0]):
         positions = [l for l in range(x.shape[1]) if token_mask[b, l]]
-        if cfg.router.kind == "soft_merge":
+        if cfg.router.kind in ("soft_merge", "example_topk"):
             pooled = sum(x[b, l].double() for l in positions) / len(positions)
             if cfg.router.input_norm == "layernorm":
                 norm = block.router_norm
                 pooled = F.layer_norm(pooled, pooled.shape, norm.weight.double(), norm.bias.double(), norm.eps)
             logits = torch.mv(w_router, pooled).tolist()
             chosen = choose(logits, ks[b])
+            if cfg.router.kind == "example_topk":  # each chosen expert applied, weighed by its full softmax p
+                weights = combine_weights("topk_softmax", False, logits, chosen)
+                for l in positions:
+                    token = x[b, l].double()
+                    total = sum(
+                        w * run_expert(cfg.expert, expert_params(block, e), token)
+                        for e, w in zip(chosen, weights, strict=True)
+                    )
+                    out[b, l] = total.to(x.dtype)
+                continue
             weights = combine_weights("topk_softmax", True, logits, chosen)
             merged: dict[str, torch.Tensor | None] = {}
             for e, w in zip(chosen, weights, strict=True):

@@ -144,3 +144,36 @@ def test_eval_writes_to_its_output_dir_never_into_a_bundled_demo(run, tmp_path) 
     refused = run(*args, "--write-artifact", check=False)
     assert refused.returncode == 2 and "bundled demo: its quality table is read-only data" in refused.stderr
     assert bundled.read_bytes() == before
+
+
+def test_eval_stored_prints_each_recipes_mean_and_std_over_seeds(run, tmp_path) -> None:
+    """`eval --stored` reads what recipes.build_demos wrote into the provenance (no evaluation), and a
+    model without those figures is refused by name."""
+    import shutil
+
+    from moe_serve.registry import resolve_model
+
+    plain = tmp_path / "genre-plain"
+    shutil.copytree(resolve_model("genre-topk"), plain)
+    seeded = tmp_path / "genre-seeded"
+    shutil.copytree(plain, seeded)
+    manifest = json.loads((seeded / "config.json").read_text())
+    manifest["provenance"]["seeds"] = {
+        "recipe": "topk-clf",
+        "seeds": [0, 1, 2],
+        "bundled_seed": 2,
+        "chosen_by": "highest mean accuracy",
+        "quality": [
+            {"k": 1, "metric": "accuracy", "mean": 0.5123, "std": 0.0211, "values": {"0": 0.49, "1": 0.52, "2": 0.53}},
+            {"k": 2, "metric": "accuracy", "mean": 0.6, "std": None, "values": {"2": 0.6}},
+        ],
+    }
+    (seeded / "config.json").write_text(json.dumps(manifest))
+    out = run("eval", "--stored", str(seeded)).stdout
+    assert "[sequence_classification]" in out and "accuracy (mean ± std over seeds)" in out
+    line = next(line for line in out.splitlines() if line.startswith("genre-seeded"))
+    assert "0.5123 ± 0.0211" in line and "0.6000" in line and line.endswith("3 (2)")
+    refused = run("eval", "--stored", str(plain), check=False)
+    assert refused.returncode == 2 and "carries no figures over training seeds" in refused.stderr
+    nothing = run("eval", check=False)
+    assert nothing.returncode == 2 and "name at least one MODEL" in nothing.stderr

@@ -318,7 +318,7 @@ class Usage(BaseModel):
     # The fixed k used (None: a dense model, a `moe` policy, or experts_per_token "auto", whose k the server
     # chose step by step: see experts_per_token_mean).
     experts_per_token: int | None
-    approximate: bool | None = None  # soft_merge with k < N
+    approximate: bool | None = None  # k not exact for the method, or never trained at
     # Mean experts per token over the tokens computed and every MoE layer (k for a fixed k; under "auto", the
     # mean of the k each step ran the request's tokens with; None: dense).
     experts_per_token_mean: float | None = None

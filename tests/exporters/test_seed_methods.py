@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_serve import LLM
+from moe_serve.artifact import is_router_tensor, load_artifact
 from moe_serve.exporters import genre_encoder, transformer_xl
-from moe_serve.exporters.base import ExportError
+from moe_serve.exporters.base import ExportError, ExportOptions
 from recipes.encoder import EncoderConfig, GenreClassifier
 from recipes.train import save_checkpoint
 from recipes.transformer_xl import MemTransformerLM, TXLConfig
@@ -293,3 +294,53 @@ def test_graph_routing_exports_record_the_router_and_calibrated_heads(tmp_path: 
     heads = calibrate_heads(model, torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(9)))
     assert len(heads) == len(TXL["moe_index"]) and all(0 <= h < TXL["n_head"] for h in heads)
     assert heads == [int(model.layers[i].pos_ff.head) for i in TXL["moe_index"]]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kind", "exact"),
+    [
+        ("hyperrouter", "lm", {2, 3, 4}),  # the k schedule it trained at: top_k_min..top_k_max
+        ("smoe", "lm", {2, 3, 4}),
+        ("similarity", "lm", {4}),  # the router kind's own rule: only the trained K
+        ("moesart", "clf", {2}),
+        ("topk", "clf", {2}),
+        ("switch", "clf", {1}),
+        ("smear", "clf", {4}),  # k = N is exact SMEAR
+    ],
+)
+def test_k_never_trained_at_is_flagged_approximate(tmp_path: Path, fmt: str, kind: str, exact: set[int]) -> None:
+    if kind == "lm":
+        _, ckpt = make_lm(tmp_path, transformer_xl.METHODS[fmt])
+        config = LLM(transformer_xl.export(fmt, ckpt, tmp_path / "artifact")).config
+    else:
+        _, ckpt = make_classifier(tmp_path, fmt)
+        config = LLM(genre_encoder.export(fmt, ckpt, tmp_path / "artifact")).config
+    assert config.moe is not None
+    flagged = {k for k in range(1, config.moe.num_experts + 1) if config.is_approximate(k)}
+    assert flagged == set(range(1, config.moe.num_experts + 1)) - exact
+
+
+def test_switch_classifier_results_say_approximate_beyond_k1(tmp_path: Path) -> None:
+    _, ckpt = make_classifier(tmp_path, "switch")
+    llm = LLM(genre_encoder.export("switch", ckpt, tmp_path / "artifact"))
+    exact, approximate = llm.classify(["O Romeo, Romeo"], experts_per_token=1), llm.classify(["x"], experts_per_token=2)
+    assert not exact[0].approximate and approximate[0].approximate
+
+
+@pytest.mark.parametrize("fmt", ["hyperrouter", "smear"])
+def test_router_tensors_stay_fp32_in_a_bf16_artifact_and_when_loaded_in_bf16(tmp_path: Path, fmt: str) -> None:
+    """DESIGN section 3: bf16 rounding flips top-k sets, so router weights keep fp32 whatever the rest is."""
+    if fmt == "hyperrouter":
+        _, ckpt = make_lm(tmp_path, fmt)
+        artifact = transformer_xl.export(fmt, ckpt, tmp_path / "artifact", ExportOptions(dtype=torch.bfloat16))
+    else:
+        _, ckpt = make_classifier(tmp_path, fmt)
+        artifact = genre_encoder.export(fmt, ckpt, tmp_path / "artifact", ExportOptions(dtype=torch.bfloat16))
+    stored = load_file(artifact / "model.safetensors")
+    routers = {name for name in stored if is_router_tensor(name)}
+    assert routers and all(stored[name].dtype == torch.float32 for name in routers)
+    assert all(t.dtype == torch.bfloat16 for name, t in stored.items() if name not in routers)
+    model = load_artifact(artifact, dtype=torch.bfloat16).model
+    loaded = dict(model.named_parameters())
+    assert all(loaded[name].dtype == torch.float32 for name in routers)
+    assert loaded["layers.0.attn.q_proj.weight"].dtype == torch.bfloat16

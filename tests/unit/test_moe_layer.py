@@ -22,6 +22,7 @@ ROUTERS = {
     "topk_softmax_bias": RouterConfig("topk_softmax", use_bias=True),
     "topk_uniform": RouterConfig("topk_uniform"),
     "soft_merge": RouterConfig("soft_merge", input_norm="layernorm"),
+    "example_topk": RouterConfig("example_topk", input_norm="layernorm"),
     "similarity": RouterConfig("similarity", tau=4.0),
     "similarity_bias": RouterConfig("similarity", use_bias=True, tau=0.5),
 }
