@@ -198,8 +198,10 @@ def _stored_quality(args: argparse.Namespace) -> int:
                     parameter="models",
                 )
             continue
-        by_task.setdefault(config.task, {})[path.name] = summary
+        by_task.setdefault(config.task, {})[name] = summary
     text = "\n".join(f"[{task}]\n{format_seed_table(summaries)}" for task, summaries in sorted(by_task.items()))
+    if not by_task:
+        text = "no bundled demo carries figures over training seeds yet (python -m recipes.build_demos writes them)"
     _emit(args, {"seeds": {t: s for t, s in sorted(by_task.items())}}, text)
     return 0
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.artifact import expected_tensors, read_manifest
+from moe_serve.layers.routers import router_class
 
 
 def summarize(path: Path) -> dict[str, Any]:
@@ -44,8 +45,8 @@ def summarize(path: Path) -> dict[str, Any]:
         idle_adapters = (moe.num_patterns - 1) * per_adapter * len(moe.layers) if moe.hyper_expert else 0
         active = {}
         for k in range(moe.min_k, moe.max_k + 1):
-            # soft_merge applies one merged expert per token whatever k is (k experts are averaged first).
-            used = 1 if moe.router.kind == "soft_merge" else k
+            # A merging kind (soft_merge) applies one merged expert per token whatever k is (k are averaged first).
+            used = 1 if router_class(moe.router.kind).merges_experts else k
             active[str(k)] = total - (moe.num_experts - used) * idle - idle_adapters
         summary["moe"] = {
             "layers": list(moe.layers),

@@ -8,8 +8,9 @@
    run is never trained again (unless --retrain).
 2. Evaluate: each run is exported (bf16, routers fp32) to runs/RECIPE/seed-S/artifact and scored on the
    held-out plays at k = 1, 2, 4, 8 (runs/RECIPE/seed-S/quality.json).
-3. Bundle: the best seed of each recipe (lowest mean bits per byte over k, or highest mean accuracy; stated
-   in its provenance) is exported to moe_serve/demo_models/NAME with its quality table; its provenance's
+3. Bundle: the best seed of each recipe (lowest mean bits per byte over k, or highest mean accuracy, on
+   the same held-out plays the table reports, so the bundled row is the best of N, not an unbiased
+   estimate; the mean over seeds is) is exported to moe_serve/demo_models/NAME with its quality table; its provenance's
    `seeds` holds every seed's figures and their mean and standard deviation, and its router diagnostics
    (recipes.diagnostics). `moe-serve eval --stored` prints them side by side.
 Writes docs/quality_vs_k.{csv,png} from the bundled demos.
@@ -103,8 +104,10 @@ def evaluate_run(run: Path, fmt: str, max_items: int | None) -> list[QualityRow]
     cached = run / QUALITY_FILE
     if cached.is_file() and cached.stat().st_mtime > (run / TRAINING_CHECKPOINT).stat().st_mtime:
         return list(QualityTable.read(cached).rows)
-    artifact = export(fmt, run, run / "artifact")
-    rows = evaluate(LLM(artifact), KS, "shakespeare", max_items)
+    llm = LLM(export(fmt, run, run / "artifact"))
+    moe = llm.config.moe
+    ks = [k for k in KS if moe is None or moe.min_k <= k <= moe.max_k]  # HyperMoE serves its trained k only
+    rows = evaluate(llm, ks, "shakespeare", max_items)
     QualityTable(tuple(rows)).write(cached)
     return rows
 

@@ -166,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     held_out = byte_stream(True)
     for run in args.runs:
-        record, model, initial = rebuild(run)
-        if record.get("task") != "causal_lm" or not moe_layers(model):
+        record = json.loads((run / "training_config.json").read_text())
+        if record.get("task") != "causal_lm" or record.get("method") == "dense":
             raise SystemExit(f"{run}: not an MoE language model run")
-        record["diagnostics"] = router_diagnostics(
-            model, initial, held_out, record["seq_len"], diagnostic_ks(model.cfg)
-        )
+        record, model, initial = rebuild(run)
+        found = router_diagnostics(model, initial, held_out, record["seq_len"], diagnostic_ks(model.cfg))
+        record.setdefault("metrics", {})["diagnostics"] = found  # where train.py puts them (provenance: metrics)
         (run / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps({"run": str(run), **record["diagnostics"]}))
+        print(json.dumps({"run": str(run), **found}))
     return 0
 
 

@@ -118,7 +118,7 @@ def reference_moe(
                 for l in positions:
                     token = x[b, l].double()
                     total = sum(
-                        w * run_expert(cfg.expert, expert_params(block, e), token)
+                        w * run_expert(cfg.expert, _double(expert_params(block, e)), token)
                         for e, w in zip(chosen, weights, strict=True)
                     )
                     out[b, l] = total.to(x.dtype)
@@ -204,3 +204,8 @@ def attention_aware_mix(
     distance = ((x[:, None, :] - (v @ w_o.T)[None, :, :]) ** 2).sum(-1)  # [n, n] ||x_i - W_O v_j||^2
     posterior = attention * torch.exp(-(distance - distance.min(dim=1, keepdim=True).values) / (2 * sigma**2))
     return (posterior / posterior.sum(dim=1, keepdim=True)) @ probs
+
+
+def _double(params: dict) -> dict:
+    """Expert parameters in float64, as the reference computes."""
+    return {name: None if p is None else p.double() for name, p in params.items()}
