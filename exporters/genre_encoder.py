@@ -25,11 +25,12 @@ from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions
 from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
+_SMEAR_FOLD = "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]"
 FOLDED = {
     "moesart": "temperature tau, sampling (Eq. 3 re-weighting) and trimmed-lasso state dropped; weights 1/k",
-    "smear": "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]",
+    "smear": _SMEAR_FOLD,
     "topk": "linear gate (with bias) kept as the router",
-    "switch": "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]",
+    "switch": _SMEAR_FOLD,  # SMEAR's router and adapters, routed per example by argmax x p_max
 }
 
 

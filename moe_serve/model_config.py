@@ -7,19 +7,14 @@ newer artifacts stay loadable by older runtimes; missing required keys and bad v
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
-import types
-import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from moe_serve.config_schema import build, check_choice, check_float, check_size, to_jsonable
 from moe_serve.errors import ConfigError
 from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
-
-logger = logging.getLogger(__name__)
 
 Task = Literal["causal_lm", "sequence_classification"]
 PositionKind = Literal["learned", "rotary", "relative"]
@@ -57,119 +52,6 @@ MAX_CHAT_TEMPLATE_CHARS = 1 << 20
 MAX_POSITION_TABLE_ELEMENTS = 1 << 30  # rotary or relative-position tables built at load (4 GiB in fp32)
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_size(name: str, value: Any, maximum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= maximum:
-        raise ConfigError(f"{name} must be an integer between 1 and {maximum}; got {value!r}")
-
-
-def _check_float(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
-    if not (low < value if low_open else low <= value) or not value <= high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ConfigError(f"{name} must be in {interval}; got {value!r}")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from parsed JSON, checking every value against its field's annotation (JSON
-    lists become tuples, nested objects nested configs), so that a wrong-typed field is one clear
-    ConfigError naming it, never a crash later."""
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be an object; got {_json_type(data)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(str(key) for key in set(data) - names)
-    if unknown:
-        logger.warning("ignoring unknown config keys in %s: %s", where, ", ".join(unknown))
-    kwargs = {key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items() if key in names}
-    required = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-    ]
-    missing = [name for name in required if name not in kwargs]
-    if missing:
-        raise ConfigError(f"{where}: missing required field '{missing[0]}'")
-    return cls(**kwargs)
-
-
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        for option in options:  # the first alternative whose JSON shape matches (int | tuple[int, ...])
-            if _shape_matches(value, option):
-                return _convert(value, option, where)
-        raise ConfigError(f"{where} must be {' or '.join(_describe(a) for a in args)}; got {_shown(value)}")
-    if origin is typing.Literal:
-        if not any(value == a and type(value) is type(a) for a in args):
-            raise ConfigError(f"{where} must be one of {', '.join(map(str, args))}; got {_shown(value)}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
-        return tuple(_convert(item, args[0], f"{where}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
-    if not _shape_matches(value, hint):
-        raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
-    if hint is float:
-        if not math.isfinite(value):
-            raise ConfigError(f"{where} must be a finite number; got {value!r}")
-        return float(value)
-    return value
-
-
-def _shape_matches(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has the kind `hint` asks for (bool is not an int here; an int is a float)."""
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        return isinstance(value, (list, tuple))
-    if origin is typing.Literal:
-        return isinstance(value, str)
-    if dataclasses.is_dataclass(hint):
-        return isinstance(value, (dict, hint))
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:
-        plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(args[0], "values")
-        return f"a list of {plural}"
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(str, args))
-    if dataclasses.is_dataclass(hint):
-        return "an object"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}.get(
-        hint, str(hint)
-    )
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-
-
-def _shown(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
-    return f"{_json_type(value)} ({text[:60]}{'…' if len(text) > 60 else ''})"
-
-
 @dataclass(frozen=True, slots=True)
 class FFNConfig:
     """One feed-forward network: a dense layer's FFN, or one expert of an MoE layer.
@@ -185,9 +67,9 @@ class FFNConfig:
     use_bias: bool = False
 
     def __post_init__(self) -> None:
-        _check_choice("ffn kind", self.kind, EXPERT_KINDS)
-        _check_size("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE_SIZE)
-        _check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("ffn kind", self.kind, EXPERT_KINDS)
+        check_size("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE_SIZE)
+        check_choice("activation", self.activation, ACTIVATIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,11 +87,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         from moe_serve.layers.routers import router_kinds  # the registry: every kind with a module
 
-        _check_choice("router kind", self.kind, router_kinds())
+        check_choice("router kind", self.kind, router_kinds())
         if self.input_norm is not None:
-            _check_choice("router input_norm", self.input_norm, NORM_KINDS)
-        _check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
-        _check_float("router sigma", self.sigma, 0.0, 1e6, low_open=True)
+            check_choice("router input_norm", self.input_norm, NORM_KINDS)
+        check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
+        check_float("router sigma", self.sigma, 0.0, 1e6, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,14 +107,14 @@ class ExpertsPerToken:
 
     def __post_init__(self) -> None:
         for name in ("default", "min"):
-            _check_size(f"experts_per_token.{name}", getattr(self, name), MAX_EXPERTS)
+            check_size(f"experts_per_token.{name}", getattr(self, name), MAX_EXPERTS)
         if self.max is not None:
-            _check_size("experts_per_token.max", self.max, MAX_EXPERTS)
+            check_size("experts_per_token.max", self.max, MAX_EXPERTS)
         if self.validated is not None:
             if not self.validated or len(self.validated) > MAX_EXPERTS:
                 raise ConfigError(f"experts_per_token.validated must list 1..{MAX_EXPERTS} k; got {self.validated}")
             for k in self.validated:
-                _check_size("experts_per_token.validated[]", k, MAX_EXPERTS)
+                check_size("experts_per_token.validated[]", k, MAX_EXPERTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +131,7 @@ class MoEConfig:
     hyper_expert: FFNConfig | None = None
 
     def __post_init__(self) -> None:
-        _check_size("moe.num_experts", self.num_experts, MAX_EXPERTS)
+        check_size("moe.num_experts", self.num_experts, MAX_EXPERTS)
         k = self.experts_per_token
         k_max = k.max if k.max is not None else self.num_experts
         if not 1 <= k.min <= k.default <= k_max <= self.num_experts:
@@ -316,7 +198,7 @@ class ClassifierConfig:
             raise ConfigError(f"classifier.labels must be non-empty strings; got {list(self.labels)[:8]}")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"classifier.labels must be distinct; got {list(self.labels)[:8]}")
-        _check_choice("classifier.pooling", self.pooling, POOLINGS)
+        check_choice("classifier.pooling", self.pooling, POOLINGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,17 +217,17 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        _check_choice("rope_scaling.type", self.type, ROPE_TYPES)
-        _check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
+        check_choice("rope_scaling.type", self.type, ROPE_TYPES)
+        check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
         if self.type == "yarn" and self.original_max_position_embeddings is None:
             raise ConfigError("rope_scaling of type yarn needs original_max_position_embeddings")
         if self.original_max_position_embeddings is not None:
-            _check_size(
+            check_size(
                 "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, MAX_POSITIONS
             )
         for name in ("attention_factor", "mscale", "mscale_all_dim"):
             if getattr(self, name) is not None:
-                _check_float(f"rope_scaling.{name}", getattr(self, name), 0.0, 1e6, low_open=True)
+                check_float(f"rope_scaling.{name}", getattr(self, name), 0.0, 1e6, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +268,7 @@ class ModelConfig:
     chat_stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_choice("task", self.task, TASKS)
+        check_choice("task", self.task, TASKS)
         for name, maximum in (
             ("vocab_size", MAX_VOCAB_SIZE),
             ("hidden_size", MAX_HIDDEN_SIZE),
@@ -394,15 +276,15 @@ class ModelConfig:
             ("num_heads", MAX_HEADS),
             ("max_position_embeddings", MAX_POSITIONS),
         ):
-            _check_size(name, getattr(self, name), maximum)
-        _check_float("norm_eps", self.norm_eps, 0.0, 1.0, low_open=True)
-        _check_float("rope_theta", self.rope_theta, 0.0, 1e12, low_open=True)
-        _check_float("embedding_scale", self.embedding_scale, 0.0, 1e6, low_open=True)
+            check_size(name, getattr(self, name), maximum)
+        check_float("norm_eps", self.norm_eps, 0.0, 1.0, low_open=True)
+        check_float("rope_theta", self.rope_theta, 0.0, 1e12, low_open=True)
+        check_float("embedding_scale", self.embedding_scale, 0.0, 1e6, low_open=True)
         if self.qkv_clip is not None:
-            _check_float("qkv_clip", self.qkv_clip, 0.0, 1e6, low_open=True)
-        _check_choice("position", self.position, POSITION_KINDS)
-        _check_choice("norm", self.norm, NORM_KINDS)
-        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+            check_float("qkv_clip", self.qkv_clip, 0.0, 1e6, low_open=True)
+        check_choice("position", self.position, POSITION_KINDS)
+        check_choice("norm", self.norm, NORM_KINDS)
+        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -412,12 +294,12 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        _check_size("head_dim", self.head_dim, MAX_HEAD_DIM)
-        _check_size("num_kv_heads", self.num_kv_heads, MAX_HEADS)
+        check_size("head_dim", self.head_dim, MAX_HEAD_DIM)
+        check_size("num_kv_heads", self.num_kv_heads, MAX_HEADS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.qk_norm is not None:
-            _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+            check_choice("qk_norm", self.qk_norm, QK_NORMS)
         if self.rope_scaling is not None and self.position != "rotary":
             raise ConfigError("rope_scaling needs position rotary")
         if self.position == "rotary" and self.head_dim % 2:
@@ -513,18 +395,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        return _build(cls, data, "model")
+        return build(cls, data, "model")
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(dataclasses.asdict(self))
-
-
-def _to_jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_jsonable(v) for v in value]
-    return value
+        return to_jsonable(dataclasses.asdict(self))
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from moe_serve import LLM
 from moe_serve.evaluation.plot import plot
 from moe_serve.evaluation.runner import evaluate
 from moe_serve.evaluation.table import format_table, write_csv
-from moe_serve.exporters import genre_encoder, transformer_xl
+from moe_serve.exporters import exporter
 from moe_serve.exporters.base import TRAINING_CHECKPOINT, TRAINING_CONFIG, ExportOptions
 from moe_serve.quality import LOWER_IS_BETTER, QUALITY_FILE, QualityRow, QualityTable
 from moe_serve.registry import BUNDLED_DIR
@@ -61,8 +61,7 @@ def run_dir(runs: Path, recipe: str, seed: int) -> Path:
 
 
 def export(fmt: str, src: Path, dst: Path) -> Path:
-    module = genre_encoder if fmt in genre_encoder.FOLDED else transformer_xl
-    return module.export(fmt, src, dst, ExportOptions(dtype=torch.bfloat16, overwrite=True, progress=False))
+    return exporter(fmt)(src, dst, ExportOptions(dtype=torch.bfloat16, overwrite=True, progress=False))
 
 
 def train_all(runs: Path, recipes: list[str], seeds: list[int], jobs: int, retrain: bool) -> None:

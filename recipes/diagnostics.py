@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+from moe_serve.evaluation import metrics
+from moe_serve.exporters.base import TRAINING_CHECKPOINT, TRAINING_CONFIG
 from recipes.transformer_xl import (
     GraphRoutingFF,
     HyperMoEPositionwiseFF,
@@ -69,9 +71,9 @@ def bits_per_byte(model: MemTransformerLM, data: torch.Tensor, seq_len: int) -> 
     total, count = 0.0, 0
     for chunk in windows.split(32):
         logits = model(chunk[:, :-1])
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum").item()
+        total -= F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum").item()
         count += chunk[:, 1:].numel()
-    return total / count / math.log(2)
+    return metrics.bits_per_byte(total, count)  # byte-level: one token per byte
 
 
 @torch.no_grad()
@@ -147,15 +149,14 @@ def router_diagnostics(
     }
 
 
-def rebuild(run: Path) -> tuple[dict, MemTransformerLM, MemTransformerLM]:
-    """-> (training record, trained model, initial model) of a recipes.train run directory."""
-    record = json.loads((run / "training_config.json").read_text())
+def rebuild(run: Path, record: dict) -> tuple[MemTransformerLM, MemTransformerLM]:
+    """-> (trained model, initial model) of a recipes.train run directory and its training record."""
     model_config = {k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()}
     torch.manual_seed(record["seed"])
     initial = MemTransformerLM(TXLConfig(**model_config))
     model = copy.deepcopy(initial)
-    model.load_state_dict(load_file(str(run / "checkpoint.safetensors")))
-    return record, model, initial
+    model.load_state_dict(load_file(str(run / TRAINING_CHECKPOINT)))
+    return model, initial
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     held_out = byte_stream(True)
     for run in args.runs:
-        record = json.loads((run / "training_config.json").read_text())
+        record = json.loads((run / TRAINING_CONFIG).read_text())
         if record.get("task") != "causal_lm" or record.get("method") == "dense":
             raise SystemExit(f"{run}: not an MoE language model run")
-        record, model, initial = rebuild(run)
+        model, initial = rebuild(run, record)
         found = router_diagnostics(model, initial, held_out, record["seq_len"], diagnostic_ks(model.cfg))
         record.setdefault("metrics", {})["diagnostics"] = found  # where train.py puts them (provenance: metrics)
-        (run / "training_config.json").write_text(json.dumps(record, indent=2) + "\n")
+        (run / TRAINING_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps({"run": str(run), **found}))
     return 0
 

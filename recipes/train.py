@@ -116,7 +116,7 @@ def router_gain(gate: HyperRouterGate, probes: int = 16) -> float:
     total = 0.0
     for _ in range(probes):
         sign = torch.randint(0, 2, gate.embedding.shape, generator=generator).float() * 2 - 1
-        _, tangent = torch.func.jvp(lambda e: gate.hypernet(e), (gate.embedding,), (sign,))  # = (W_r | b_r) flat
+        _, tangent = torch.func.jvp(gate.hypernet, (gate.embedding,), (sign,))  # d(W_r | b_r), flat
         total += tangent.pow(2).mean().item()
     return (total / probes) ** 0.5
 

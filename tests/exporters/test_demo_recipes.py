@@ -5,6 +5,7 @@ multi-seed summary picks and states the best seed."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def test_a_runs_initial_weights_are_rebuilt_from_its_seed(tmp_path: Path) -> Non
         for p in model.parameters():
             p.add_(1.0)
     train.save_checkpoint(tmp_path, model, {"seed": 7, "model": model.cfg.to_dict(), "method": "smoe"})
-    _, trained, initial = diagnostics.rebuild(tmp_path)
+    trained, initial = diagnostics.rebuild(tmp_path, json.loads((tmp_path / "training_config.json").read_text()))
     for name, tensor in initial.state_dict().items():
         torch.testing.assert_close(tensor, start[name], atol=0, rtol=0, msg=name)
     torch.testing.assert_close(trained.state_dict()["r_w_bias"], start["r_w_bias"] + 1.0)
