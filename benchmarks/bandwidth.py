@@ -18,17 +18,21 @@ class CopyMeter:
         self.dst = torch.zeros_like(self.src)
 
     def measure(self, reps: int = 5) -> dict[str, float]:
-        """Medians of `reps` copies and reads, GB/s."""
+        """Medians of `reps` copies and reads, GB/s, with the meter's threads (the caller's are restored)."""
+        caller_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         nbytes = self.src.numel() * 4
         copies, reads = [], []
-        for _ in range(reps):
-            start = time.perf_counter()
-            self.dst.copy_(self.src)
-            copies.append(2 * nbytes / (time.perf_counter() - start) / 1e9)
-            start = time.perf_counter()
-            self.src.sum()
-            reads.append(nbytes / (time.perf_counter() - start) / 1e9)
+        try:
+            for _ in range(reps):
+                start = time.perf_counter()
+                self.dst.copy_(self.src)
+                copies.append(2 * nbytes / (time.perf_counter() - start) / 1e9)
+                start = time.perf_counter()
+                self.src.sum()
+                reads.append(nbytes / (time.perf_counter() - start) / 1e9)
+        finally:
+            torch.set_num_threads(caller_threads)
         copies.sort()
         reads.sort()
         return {"copy_gb_s": copies[len(copies) // 2], "read_gb_s": reads[len(reads) // 2], "threads": self.threads}

@@ -149,8 +149,8 @@ def measure_decode(
             prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
             run(prompts, k, new_tokens)  # warm-up (and, for compiled engines, compilation)
             cells = []
-            for _ in range(reps):
-                before = meter.measure()
+            before = meter.measure()
+            for _ in range(reps):  # each rep between two measurements; one rep's "after" is the next's "before"
                 start = time.perf_counter()
                 run(prompts, k, 1)
                 middle = time.perf_counter()
@@ -159,6 +159,7 @@ def measure_decode(
                 after = meter.measure()
                 step = ((end - middle) - (middle - start)) / (new_tokens - 1)
                 cells.append({"step_s": step, "copy_gb_s": (before["copy_gb_s"] + after["copy_gb_s"]) / 2})
+                before = after
             results.setdefault(str(k), {})[str(batch)] = cells
     return results
 

@@ -13,44 +13,24 @@ the load). Results go to benchmarks/results/onnx_backend.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, decode_cost, run_worker, throughput, throughput_table, write_results
+from benchmarks.run import common_arguments, decode_costs, started, throughput_cells, throughput_table, write_results
 
 BACKENDS = {"torch": "moe-serve", "onnxruntime": "moe-serve-onnx"}  # backend -> benchmarks.engines name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,medium")
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    common_arguments(parser, "onnx_backend.json", batches="1,16")
     parser.add_argument("--k-sweep", default="1,2,4,8,16")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "onnx_backend.json")
-    parser.add_argument("--timeout", type=int, default=3600)
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}, "k_sweep": {}}
     models = {name: build(name, args.cache) for name in args.models.split(",")}
-    for name, model in models.items():
-        for backend, engine in BACKENDS.items():
-            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
-            report["throughput"].setdefault(name, {})[backend] = cell
-            print(f"{name} {backend}: {cell}", flush=True)
+    report: dict = {"started": started(), "throughput": throughput_cells(models, BACKENDS, args), "k_sweep": {}}
     if "medium" in models:
         ks = [int(k) for k in args.k_sweep.split(",")]
         for backend, engine in BACKENDS.items():
-            result = run_worker(engine, models["medium"], [1, 16], ks, args.reps, 33, args.timeout, decode_cost=True)
-            for k in ks:
-                cell = result.get(str(k), {}) if isinstance(result, dict) else result
-                if isinstance(cell, dict):
-                    cell = decode_cost(cell, models["medium"].decode_bytes(k))
-                report["k_sweep"].setdefault(backend, {})[str(k)] = cell
+            report["k_sweep"][backend] = decode_costs(engine, models["medium"], ks, args.reps, args.timeout)
             print(f"k sweep {backend}: {report['k_sweep'][backend]}", flush=True)
     write_results(report, markdown(report), args.out)
 

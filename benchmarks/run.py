@@ -116,41 +116,66 @@ def throughput_table(title: str, label: str, cells: dict[str, dict | str]) -> li
     return lines
 
 
+def common_arguments(parser: argparse.ArgumentParser, out_name: str, batches: str = "1,16,64") -> None:
+    """The options every benchmark script takes (models, batches, repetitions, cache, output, timeout)."""
+    parser.add_argument("--models", default="tiny,medium")
+    parser.add_argument("--batches", default=batches)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / out_name)
+    parser.add_argument("--timeout", type=int, default=3600)
+
+
+def started() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def throughput_cells(models: dict[str, BenchModel], engines: dict[str, str], args: argparse.Namespace) -> dict:
+    """{model: {label: throughput cell}} for each engine (label -> benchmarks.engines name), printed as run."""
+    batches = [int(b) for b in args.batches.split(",")]
+    cells: dict = {}
+    for name, model in models.items():
+        for label, engine in engines.items():
+            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
+            cells.setdefault(name, {})[label] = cell
+            print(f"{name} {label}: {cell}", flush=True)
+    return cells
+
+
+def decode_costs(engine: str, model: BenchModel, ks: list[int], reps: int, timeout: int) -> dict[str, dict | str]:
+    """{k: decode-cost cell (or the worker's failure)} at batch 1 and 16, from one worker."""
+    result = run_worker(engine, model, [1, 16], ks, reps, 33, timeout, decode_cost=True)
+    cells = {}
+    for k in ks:
+        cell = result.get(str(k), {}) if isinstance(result, dict) else result
+        cells[str(k)] = decode_cost(cell, model.decode_bytes(k)) if isinstance(cell, dict) else cell
+    return cells
+
+
 def summary(rates: list[float]) -> dict[str, float]:
     return {"min": min(rates), "median": statistics.median(rates), "max": max(rates)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,medium")
+    common_arguments(parser, "latest.json")
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k-sweep", default="1,2,4,8,16", help="ks of the per-k cost on the medium model")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: throughput,ksweep,mixed")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "latest.json")
-    parser.add_argument("--timeout", type=int, default=3600)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     engines = args.engines.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
     report: dict = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "started": started(),
         "settings": vars(args) | {"cache": str(args.cache), "out": str(args.out)},
     }
     report["bandwidth"] = bandwidth.copy_bandwidth()
     models = {name: build(name, args.cache) for name in args.models.split(",")}
 
     if "throughput" not in skip:
-        report["throughput"] = {}
-        for name, model in models.items():
-            for engine in engines:
-                cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
-                report["throughput"].setdefault(name, {})[engine] = cell
-                print(f"{name} {engine}: {cell}", flush=True)
+        report["throughput"] = throughput_cells(models, {engine: engine for engine in engines}, args)
 
     if "ksweep" not in skip and "medium" in models:
         model = models["medium"]
@@ -159,12 +184,9 @@ def main() -> None:
         for engine in engines:
             runs = [(engine, ks)] if engine in ("moe-serve", "hf") else [(engine, [k]) for k in ks]
             for name, run_ks in runs:
-                result = run_worker(name, model, [1, 16], run_ks, args.reps, 33, args.timeout, decode_cost=True)
-                for k in run_ks:
-                    cell = result.get(str(k), {}) if isinstance(result, dict) else result
-                    if isinstance(cell, dict):
-                        cell = decode_cost(cell, model.decode_bytes(k))
-                    report["k_sweep"].setdefault(engine, {})[str(k)] = cell
+                report["k_sweep"].setdefault(engine, {}).update(
+                    decode_costs(name, model, run_ks, args.reps, args.timeout)
+                )
             print(f"k sweep {engine}: {report['k_sweep'].get(engine)}", flush=True)
         bandwidth_gb_s = report["bandwidth"]["copy_gb_s"]
         report["roofline"] = {

@@ -13,34 +13,19 @@ benchmarks/results/vllm_plugin.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from pathlib import Path
 
 from benchmarks.models import build
-from benchmarks.run import ROOT, throughput, throughput_table, write_results
+from benchmarks.run import common_arguments, started, throughput_cells, throughput_table, write_results
 
 ENGINES = ("vllm-plugin", "vllm-eager", "vllm", "moe-serve")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,medium")
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", ROOT / ".cache")))
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "vllm_plugin.json")
-    parser.add_argument("--timeout", type=int, default=3600)
+    common_arguments(parser, "vllm_plugin.json")
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "throughput": {}}
-    for name in args.models.split(","):
-        model = build(name, args.cache)
-        for engine in ENGINES:
-            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
-            report["throughput"].setdefault(name, {})[engine] = cell
-            print(f"{name} {engine}: {cell}", flush=True)
+    models = {name: build(name, args.cache) for name in args.models.split(",")}
+    report = {"started": started(), "throughput": throughput_cells(models, {e: e for e in ENGINES}, args)}
     write_results(report, markdown(report), args.out)
 
 

@@ -217,7 +217,7 @@ def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, d
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
-                tensors[name] = hugepages.place(tensor.to(device=device), storage_dtype(name, dtype))  # one copy
+                tensors[name] = hugepages.place(tensor, storage_dtype(name, dtype), device)  # one copy
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files

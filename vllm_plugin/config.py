@@ -13,6 +13,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.config import HFConfigParser, register_config_parser
 
 from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, check_checksums, check_tensors, read_manifest
+from moe_serve.engine.kv_cache import router_state_sizes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.vllm_plugin import ARCHITECTURE
@@ -91,7 +92,7 @@ def unsupported(config: ModelConfig) -> list[str]:
                 f"router {config.moe.router.kind}: one routing decision per whole sequence, which needs every "
                 "token of the sequence at once"
             )
-        if kind.state_size(config.moe.num_experts, config.hidden_size) > 0 or kind.reads_attention:
+        if router_state_sizes(config) or kind.reads_attention:
             problems.append(
                 f"router {config.moe.router.kind}: per-sequence routing state kept beside the KV cache, which "
                 "vLLM's cache does not hold"

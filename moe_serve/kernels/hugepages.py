@@ -16,6 +16,7 @@ kernel's default `defrag=madvise` that first fault may compact memory).
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -27,14 +28,17 @@ def supported() -> bool:
     return all(hasattr(mmap, name) for name in ("MADV_HUGEPAGE", "MAP_PRIVATE", "MAP_ANONYMOUS"))
 
 
+def _huge(nbytes: int, device: torch.device) -> bool:
+    """Whether a tensor of nbytes on device goes into huge-page memory."""
+    return device.type == "cpu" and nbytes >= HUGE_PAGE and supported()
+
+
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised tensor; on the CPU and from 2 MiB up, in memory advised to use huge pages."""
     device = torch.device(device)
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not supported():
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if not _huge(nbytes, device):
         return torch.empty(shape, dtype=dtype, device=device)
     # Private and anonymous: a shared mapping (mmap.mmap(-1, n)'s default) is shmem, which gets no THP.
     # A whole number of huge pages: kernels that align only such mappings to 2 MiB still align this one.
@@ -48,13 +52,15 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
 
 
 @torch.no_grad()
-def place(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`tensor` as `dtype` (default: its own), copied into huge-page memory (contiguous) where `empty` would
-    use it, in one copy; else `tensor.to(dtype)`."""
+def place(
+    tensor: torch.Tensor, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """`tensor` as `dtype` (default: its own) on `device` (default: its own), in one copy: into huge-page
+    memory (contiguous) where `empty` would use it, else `tensor.to(device, dtype)`."""
     dtype = dtype or tensor.dtype
-    nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
-    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not supported():
-        return tensor.detach().to(dtype)
+    device = torch.device(device) if device is not None else tensor.device
+    if not _huge(tensor.numel() * dtype.itemsize, device):
+        return tensor.detach().to(device, dtype)
     out = empty(tensor.shape, dtype)
     out.copy_(tensor.detach())
     return out
