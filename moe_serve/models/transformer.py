@@ -7,6 +7,8 @@ Legend: T tokens of the step, S sequences, D hidden, V vocabulary, C classes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,13 +57,16 @@ class DecoderLayer(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], DecoderLayer] = DecoderLayer
+    ) -> None:
+        """make_layer(config, index): each decoder layer (another runtime's, say, with its own attention)."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.position == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
         if config.final_norm:
             self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         if config.task == "causal_lm":
@@ -85,9 +90,7 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, D]."""
-        h = self.embed_tokens(input_ids)
-        if self.config.embedding_scale != 1.0:
-            h = h * self.config.embedding_scale
+        h = self.embed(input_ids)
         if self.config.position == "learned":
             h = h + self.embed_positions(batch.attention.positions)
         for layer in self.layers:
@@ -95,6 +98,11 @@ class MoETransformer(nn.Module):
         if self.config.final_norm:
             h = self.norm(h)
         return h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the scaled token embeddings [T, D] (learned positions are added in forward)."""
+        h = self.embed_tokens(input_ids)
+        return h * self.config.embedding_scale if self.config.embedding_scale != 1.0 else h
 
     def track_expert_load(self) -> None:
         """Start counting tokens per expert in every MoE layer (read with `read_expert_load`)."""

@@ -31,6 +31,14 @@ def plugin_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_random_artifact(tmp_path_factory.mktemp("vllm") / "baby-moe", plugin_config(), seed=3)
 
 
+@pytest.fixture(scope="session")
+def ours(plugin_artifact: Path):
+    """moe-serve's own engine on the plugin's artifact: what vLLM's results are compared with."""
+    import moe_serve
+
+    return moe_serve.LLM(str(plugin_artifact))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/vllm/" in str(item.fspath):

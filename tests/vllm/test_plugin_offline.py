@@ -39,11 +39,6 @@ def vllm_llm(plugin_artifact):
     )
 
 
-@pytest.fixture(scope="module")
-def ours(plugin_artifact):
-    return moe_serve.LLM(str(plugin_artifact))
-
-
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]

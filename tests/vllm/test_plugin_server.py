@@ -70,9 +70,9 @@ def complete(client: openai.OpenAI, k: int | None, max_tokens: int = 8) -> list[
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_per_request_k_over_rest_equals_moe_serve(vllm_server, plugin_artifact, k) -> None:
+def test_per_request_k_over_rest_equals_moe_serve(vllm_server, ours, k) -> None:
     params = moe_serve.SamplingParams(max_tokens=8, temperature=0, experts_per_token=k)
-    expected = moe_serve.LLM(str(plugin_artifact)).generate([PROMPT], params)[0].outputs[0].token_ids
+    expected = ours.generate([PROMPT], params)[0].outputs[0].token_ids
     assert complete(vllm_server, k) == list(expected)
 
 
