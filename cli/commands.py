@@ -198,7 +198,9 @@ def _stored_quality(args: argparse.Namespace) -> int:
                     parameter="models",
                 )
             continue
-        by_task.setdefault(config.task, {})[name] = summary
+        # The artifact's directory name, or what was given when two share it (runs/*/seed-*/artifact, say).
+        unique = sum(other.name == path.name for other in paths.values()) == 1
+        by_task.setdefault(config.task, {})[path.name if unique else name] = summary
     text = "\n".join(f"[{task}]\n{format_seed_table(summaries)}" for task, summaries in sorted(by_task.items()))
     if not by_task:
         text = "no bundled demo carries figures over training seeds yet (python -m recipes.build_demos writes them)"
