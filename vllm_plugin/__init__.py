@@ -18,6 +18,8 @@ runner, the one its CPU build runs; vllm#29277):
   model's int64 buffer, one vectorised repeat over the step's requests (no per-token Python).
 - model (`model.py`): vLLM's paged attention; moe-serve's own MoE block, which takes k per token and
   computes only the slots within each token's k.
+- parallel (`parallel.py`): under vLLM's tensor parallelism (and expert parallelism), which share of each
+  tensor a rank keeps; the model all-reduces the partial outputs.
 """
 
 from __future__ import annotations

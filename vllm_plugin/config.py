@@ -17,6 +17,8 @@ from moe_serve.engine.kv_cache import router_state_sizes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.vllm_plugin import ARCHITECTURE
+from moe_serve.vllm_plugin.parallel import Shards
+from moe_serve.vllm_plugin.parallel import problems as parallel_problems
 
 MODEL_TYPE = "moe_serve"
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py) take these head sizes.
@@ -148,12 +150,15 @@ class ModelConfigHook(VerifyAndUpdateConfig):
 
         parallel = vllm_config.parallel_config
         refusals = []
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
+            refusals.append("pipeline parallelism (use --tensor-parallel-size or --data-parallel-size)")
+        if parallel.enable_expert_parallel and parallel.data_parallel_size > 1:
             refusals.append(
-                "tensor and pipeline parallelism (the plugin's layers are not sharded; use --data-parallel-size)"
+                "--enable-expert-parallel with --data-parallel-size above 1 (the plugin splits experts across "
+                "the tensor-parallel ranks only)"
             )
-        if parallel.enable_expert_parallel:
-            refusals.append("--enable-expert-parallel (the plugin's MoE block keeps every expert on each rank)")
+        shards = Shards(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
+        refusals += parallel_problems(vllm_config.model_config.hf_config.model_config, shards)
         if not current_platform.is_cpu():
             refusals.append(
                 "platforms other than CPU: per-request k is wired into the V1 model runner of vLLM's CPU build "

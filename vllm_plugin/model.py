@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.layers.attention import Attention as VllmAttention
 
 from moe_serve.kernels import ops
@@ -20,15 +26,44 @@ from moe_serve.layers.attention import Attention
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.model_config import ModelConfig
 from moe_serve.models.transformer import DecoderLayer, MoETransformer
+from moe_serve.vllm_plugin import parallel
+from moe_serve.vllm_plugin.parallel import Shards
+
+
+def reduce(partial: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """The sum of every rank's partial output (vLLM's tensor-parallel all-reduce; nothing to do alone)."""
+    return tensor_model_parallel_all_reduce(partial) if shards.size > 1 else partial
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over all heads (OLMoE's q/k norm) when each rank holds some of them: the mean square is
+    summed over every rank's heads."""
+
+    def __init__(self, dim: int, eps: float, shards: Shards) -> None:
+        super().__init__()
+        self.dim, self.eps, self.shards = dim, eps, shards
+        self.weight = nn.Parameter(torch.ones(dim))  # cut to this rank's heads with the other parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        square_sum = reduce(x.float().pow(2).sum(-1, keepdim=True), self.shards)
+        return (x.float() * torch.rsqrt(square_sum / self.dim + self.eps) * self.weight.float()).to(x.dtype)
 
 
 class MoeServeAttention(Attention):
     """moe-serve's attention (its fused projection, q/k norms, clipping and rotary tables) with vLLM's
-    Attention holding the keys and values in vLLM's paged cache."""
+    Attention holding the keys and values in vLLM's paged cache; under tensor parallelism, this rank's heads
+    (parallel.py) and a partial output that the all-reduce completes."""
 
-    def __init__(self, config: ModelConfig, vllm_config: VllmConfig, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, vllm_config: VllmConfig, prefix: str, shards: Shards) -> None:
         super().__init__(config)
-        h, g, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        self.shards = shards
+        dh = self.head_dim
+        self.num_heads = shards.split(self.num_heads)[1]
+        self.num_kv_heads = shards.kv_heads(self.num_kv_heads)[1]
+        h, g = self.num_heads, self.num_kv_heads
+        if self.qk_norm == "full" and shards.size > 1:
+            self.q_norm = ShardedRMSNorm(self.q_norm.weight.numel(), config.norm_eps, shards)
+            self.k_norm = ShardedRMSNorm(self.k_norm.weight.numel(), config.norm_eps, shards)
         self.attn = VllmAttention(
             h, dh, self.scale, num_kv_heads=g, cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn"
         )
@@ -39,7 +74,7 @@ class MoeServeAttention(Attention):
         assert self._rotary is not None, "load_weights prepares the rotary tables"
         q, k = ops.rotary_write(q, k, v, (self._rotary[0][positions], self._rotary[1][positions]), None, None)
         out = self.attn(q.reshape(t, h * dh), k.reshape(t, g * dh), v.reshape(t, g * dh).contiguous())
-        return ops.linear(out.reshape(t, h * dh), *self._o)  # type: ignore[misc]
+        return reduce(ops.linear(out.reshape(t, h * dh), *self._o), self.shards)  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +87,19 @@ class VllmBatch(ForwardBatch):
 class MoeServeDecoderLayer(DecoderLayer):
     """moe-serve's decoder layer (norms, FFN or MoE block, pre/post norm) around vLLM's attention."""
 
-    def __init__(self, config: ModelConfig, index: int, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__(config, index, attention=MoeServeAttention(config, vllm_config, f"{prefix}.attn"))
+    def __init__(self, config: ModelConfig, index: int, vllm_config: VllmConfig, prefix: str, shards: Shards) -> None:
+        attention = MoeServeAttention(config, vllm_config, f"{prefix}.attn", shards)
+        super().__init__(config, index, attention=attention)
+        self.shards = shards
+        if self.is_moe and shards.experts:
+            self.moe.local_experts = shards.split(self.moe.config.num_experts)
 
     def _attn(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, None]:
         assert isinstance(batch, VllmBatch)
         return self.attn(batch.positions, x), None
+
+    def _ffn(self, x: torch.Tensor, batch: ForwardBatch, attention: None) -> torch.Tensor:  # type: ignore[override]
+        return reduce(super()._ffn(x, batch, attention), self.shards)
 
 
 class MoeServeForCausalLM(MoETransformer):
@@ -66,7 +108,16 @@ class MoeServeForCausalLM(MoETransformer):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         config: ModelConfig = vllm_config.model_config.hf_config.model_config
-        super().__init__(config, make_layer=lambda c, i: MoeServeDecoderLayer(c, i, vllm_config, f"{prefix}layers.{i}"))
+        experts = vllm_config.parallel_config.enable_expert_parallel
+        shards = Shards(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), experts)
+        self.shards = shards
+
+        def make_layer(c: ModelConfig, i: int) -> DecoderLayer:
+            return MoeServeDecoderLayer(c, i, vllm_config, f"{prefix}layers.{i}", shards)
+
+        super().__init__(config, make_layer=make_layer)
+        if shards.size > 1:
+            self._keep_shares()
         moe = config.moe
         self.default_k = moe.default_k if moe is not None else 1
         self.min_k = moe.min_k if moe is not None else 1
@@ -75,6 +126,17 @@ class MoeServeForCausalLM(MoETransformer):
         # a dummy step (vLLM's profiling and warm-up) runs at the default k.
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.experts_per_token = torch.full((max_tokens,), self.default_k, dtype=torch.int64)
+
+    def _keep_shares(self) -> None:
+        """Each split parameter replaced by an empty one of this rank's share's shape, which load_weights
+        fills. (Building the layers allocates the full model for a moment: moe-serve's layers are built at
+        their full shapes.)"""
+        for name, param in list(self.named_parameters()):
+            shape = parallel.shard(self, name, torch.empty(param.shape, device="meta"), self.shards).shape
+            if shape != param.shape:
+                module_name, _, leaf = name.rpartition(".")
+                share = torch.empty(shape, dtype=param.dtype, device=param.device)
+                setattr(self.get_submodule(module_name), leaf, nn.Parameter(share, requires_grad=False))
 
     def set_experts_per_token(self, per_token: np.ndarray) -> None:
         self.experts_per_token[: len(per_token)].copy_(torch.from_numpy(per_token))
@@ -104,14 +166,16 @@ class MoeServeForCausalLM(MoETransformer):
         return self.lm_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The artifact's tensors under their own names (moe_serve.artifact checked them at export)."""
+        """The artifact's tensors under their own names (moe_serve.artifact checked them at export), each
+        cut to this rank's share (parallel.py) as it is read."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
             if name not in params:
                 raise ValueError(f"model.safetensors has tensor '{name}', which this model does not have")
+            param = params[name]
             with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
+                param.copy_(parallel.shard(self, name, tensor, self.shards).to(param.dtype))
             loaded.add(name)
         self.prepare()
         return loaded

@@ -42,6 +42,9 @@ class MoEBlock(nn.Module):
             self.hyper = ExpertBank(config.hyper_expert, hidden_size, config.num_patterns)
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
         self.expert_load: torch.Tensor | None = None
+        # (first, count): the experts this process's bank holds when another process holds the rest (the vLLM
+        # plugin's expert parallelism); slots routed elsewhere are skipped here. None: the bank holds all.
+        self.local_experts: tuple[int, int] | None = None
         self._router: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by prepare()
         self._bank: ops.ExpertWeights | None = None
         self._hyper_bank: ops.ExpertWeights | None = None
@@ -88,7 +91,7 @@ class MoEBlock(nn.Module):
                 adaptive.experts_used[layer].index_add_(0, batch.attention.seq_ids, top_k)
             topk_ids, topk_weights = self.routing.route(logits, top_k, batch.max_k, state)
             self._count(topk_ids)
-            out = ops.moe_experts(x, topk_ids, topk_weights, self._bank or self.experts.weights())
+            out = ops.moe_experts(x, self._bank_ids(topk_ids), topk_weights, self._bank or self.experts.weights())
             if self.config.hyper_expert is not None:
                 out = out + self._hyper_experts(x, topk_ids)
         if self.config.shared_expert is not None:
@@ -97,6 +100,14 @@ class MoEBlock(nn.Module):
                 shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
         return out
+
+    def _bank_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids -> indices into this process's bank, -1 for experts it does not hold."""
+        if self.local_experts is None:
+            return topk_ids
+        first, count = self.local_experts
+        local = topk_ids - first
+        return torch.where((topk_ids >= 0) & (local < count) & (local >= 0), local, -1)
 
     def _hyper_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """HyperMoE's adapter of each token's selected set, weight 1, grouped by set as experts are."""

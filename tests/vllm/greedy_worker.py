@@ -1,7 +1,8 @@
 """Greedy tokens of vLLM + the plugin for one artifact at several k, in a process of its own (vLLM keeps
 process-wide state: one engine per process). Prints one JSON line {k: [token ids]}.
 
-    python -m tests.vllm.greedy_worker ARTIFACT --ks 1,8 --prompt 1,2,3 --max-tokens 12
+    python -m tests.vllm.greedy_worker ARTIFACT --ks 1,8 --prompt 1,2,3 --max-tokens 12 [--tensor-parallel-size 2]
+        [--enable-expert-parallel]
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ def main() -> None:
     parser.add_argument("--ks", required=True)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
     args = parser.parse_args()
-    llm = LLM(args.artifact, dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        args.artifact,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=16 << 20,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
     prompt = {"prompt_token_ids": [int(t) for t in args.prompt.split(",")]}
     ks = [int(k) for k in args.ks.split(",")]
     params = [
