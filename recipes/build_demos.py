@@ -1,6 +1,6 @@
 """Train every recipe under several seeds, export and evaluate each run, and bundle one demo per method.
 
-    python -m recipes.build_demos [--seeds 3] [--jobs 2] [--only NAME ...] [--train-only] [--retrain]
+    python -m recipes.build_demos [--seeds 3] [--jobs 2] [--only NAME ...] [--train-only | --bundle-only] [--retrain]
 
 1. Train: every (recipe, seed) without a checkpoint under runs/RECIPE/seed-S, `--jobs` at a time, one CPU
    thread each (on this 2-core machine two 1-thread runs train ~1.3-1.7x faster than one 2-thread run).
@@ -12,13 +12,16 @@
    the same held-out plays the table reports, so the bundled row is the best of N, not an unbiased
    estimate; the mean over seeds is) is exported to moe_serve/demo_models/NAME with its quality table; its provenance's
    `seeds` holds every seed's figures and their mean and standard deviation, and its router diagnostics
-   (recipes.diagnostics). `moe-serve eval --stored` prints them side by side.
+   (recipes.diagnostics). `moe-serve eval --stored` prints them side by side. Seeds whose runs are not
+   under --runs but which the bundled demo's provenance records (an earlier build, same recipe settings)
+   count too, so the seeds of a recipe can be trained in several sittings.
 Writes docs/quality_vs_k.{csv,png} from the bundled demos.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -30,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_serve import LLM
+from moe_serve.artifact import CONFIG_FILE
 from moe_serve.evaluation.plot import plot
 from moe_serve.evaluation.runner import evaluate
 from moe_serve.evaluation.table import format_table, write_csv
@@ -52,7 +56,10 @@ DEMOS = {
     "genre-topk": ("topk-clf", "topk"),
     "genre-switch": ("switch-clf", "switch"),
 }
+LANGUAGE_MODELS = tuple(name for name, (recipe, _) in DEMOS.items() if train.RECIPES[recipe].kind == "lm")
+CLASSIFIERS = tuple(name for name in DEMOS if name not in LANGUAGE_MODELS)
 KS = [1, 2, 4, 8]
+DATASET = "shakespeare"
 HEADLINE = {"causal_lm": "bits_per_byte", "sequence_classification": "accuracy"}
 
 
@@ -106,12 +113,45 @@ def evaluate_run(run: Path, fmt: str, max_items: int | None) -> list[QualityRow]
     llm = LLM(export(fmt, run, run / "artifact"))
     moe = llm.config.moe
     ks = [k for k in KS if moe is None or moe.min_k <= k <= moe.max_k]  # HyperMoE serves its trained k only
-    rows = evaluate(llm, ks, "shakespeare", max_items)
+    rows = evaluate(llm, ks, DATASET, max_items)
     QualityTable(tuple(rows)).write(cached)
     return rows
 
 
-def seed_summary(recipe: str, per_seed: dict[int, list[QualityRow]], best: int, task: str) -> dict:
+# A training record's keys that describe one run; every other key is the recipe's settings.
+RUN_KEYS = frozenset({"seed", "command", "metrics", "train_seconds", "hyperrouter_embedding_lr_scale", "seeds"})
+
+
+def settings_sha256(record: dict) -> str:
+    """What every seed of a recipe shares (steps, optimizer, model, split, thread count, torch version...)."""
+    settings = {key: value for key, value in record.items() if key not in RUN_KEYS}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def earlier_seeds(
+    name: str, settings: str, measured: dict[int, list[QualityRow]], seeds: list[int]
+) -> dict[int, list[QualityRow]]:
+    """The seeds an earlier build measured (the bundled demo's provenance) and whose runs are not here:
+    training 3 seeds of every recipe takes longer than one sitting on 2 cores, and runs/ may be gone. Kept
+    only under the same recipe settings, and only if every seed measured both then and now agrees (else
+    the code changed under the same settings, and none of the earlier figures is used)."""
+    path = BUNDLED_DIR / name / CONFIG_FILE
+    summary = json.loads(path.read_text())["provenance"].get("seeds") if path.is_file() else None
+    if not summary or summary.get("settings_sha256") != settings:
+        return {}
+    rows: dict[int, list[QualityRow]] = {}
+    for cell in summary["quality"]:
+        for seed, value in cell["values"].items():
+            rows.setdefault(int(seed), []).append(QualityRow(DATASET, cell["k"], cell["metric"], value, name))
+    for seed in measured.keys() & rows.keys():
+        now = {(int(r.k), r.metric): r.value for r in measured[seed] if r.policy is None}
+        if any(abs(now[(int(r.k), r.metric)] - r.value) > 1e-3 for r in rows[seed]):
+            print(f"{name}: seed {seed} measures differently from the earlier build; its earlier seeds are dropped")
+            return {}
+    return {seed: r for seed, r in rows.items() if seed not in measured and seed in seeds}
+
+
+def seed_summary(recipe: str, per_seed: dict[int, list[QualityRow]], best: int, task: str, settings: str) -> dict:
     """Each (k, metric): every seed's value, their mean and sample standard deviation."""
     cells: dict[tuple[int, str], dict[int, float]] = {}
     for seed, rows in per_seed.items():
@@ -133,6 +173,7 @@ def seed_summary(recipe: str, per_seed: dict[int, list[QualityRow]], best: int, 
     rule = "lowest" if HEADLINE[task] in LOWER_IS_BETTER else "highest"
     return {
         "recipe": recipe,
+        "settings_sha256": settings,
         "seeds": sorted(per_seed),
         "bundled_seed": best,
         "chosen_by": f"{rule} mean {HEADLINE[task]} over k = {', '.join(map(str, KS))} on the held-out plays",
@@ -155,18 +196,32 @@ def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_i
     available = [s for s in seeds if (run_dir(runs, recipe, s) / TRAINING_CHECKPOINT).is_file()]
     if not available:
         raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
-    per_seed = {s: evaluate_run(run_dir(runs, recipe, s), fmt, max_items) for s in available}
+    measured = {s: evaluate_run(run_dir(runs, recipe, s), fmt, max_items) for s in available}
+    records = {s: json.loads((run_dir(runs, recipe, s) / TRAINING_CONFIG).read_text()) for s in available}
+    settings = settings_sha256(records[available[0]])
+    if any(settings_sha256(r) != settings for r in records.values()):
+        raise SystemExit(f"{name}: the runs of {recipe} under {runs} were trained with different settings")
+    per_seed = {**earlier_seeds(name, settings, measured, seeds), **measured}
     task = "causal_lm" if train.RECIPES[recipe].kind == "lm" else "sequence_classification"
     best = best_seed(per_seed, task)
+    summary = seed_summary(recipe, per_seed, best, task, settings)
+    artifact = BUNDLED_DIR / name
+    if best not in measured:  # the bundled demo is that seed already: only its seeds' summary changes
+        path = artifact / CONFIG_FILE
+        manifest = json.loads(path.read_text())
+        if manifest["provenance"]["seed"] != best:
+            raise SystemExit(f"{name}: the best seed is {best}, whose run is not under {runs}; bundled is another")
+        manifest["provenance"]["seeds"] = summary
+        path.write_text(json.dumps(manifest, indent=2) + "\n")  # save_artifact's layout
+        return [r for r in QualityTable.read(artifact / QUALITY_FILE).rows if r.policy is None]
     source = run_dir(runs, recipe, best)
-    record_path = source / TRAINING_CONFIG
-    record = json.loads(record_path.read_text())
-    record["seeds"] = seed_summary(recipe, per_seed, best, task)  # carried into the artifact's provenance
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
-    artifact = export(fmt, source, BUNDLED_DIR / name)
+    record = records[best]
+    record["seeds"] = summary  # carried into the artifact's provenance
+    (source / TRAINING_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    export(fmt, source, artifact)
     if task == "causal_lm":
         play_chat.install(artifact)  # chat that works out of the box: the template fits the training text
-    rows = [QualityRow(r.dataset, r.k, r.metric, r.value, name, r.policy) for r in per_seed[best]]
+    rows = [QualityRow(r.dataset, r.k, r.metric, r.value, name, r.policy) for r in measured[best]]
     QualityTable(tuple(rows)).merge_into(artifact / QUALITY_FILE)
     return rows
 
@@ -176,7 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per recipe")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once (one thread each)")
     parser.add_argument("--only", nargs="+", choices=sorted(DEMOS), default=None, help="these demos only")
-    parser.add_argument("--train-only", action="store_true", help="stop after training")
+    stage = parser.add_mutually_exclusive_group()
+    stage.add_argument("--train-only", action="store_true", help="stop after training")
+    stage.add_argument(
+        "--bundle-only", action="store_true", help="train nothing: bundle from the seeds already trained under --runs"
+    )
     parser.add_argument("--retrain", action="store_true", help="train even when a run's checkpoint exists")
     parser.add_argument(
         "--max-items", type=int, default=400, help="windows/passages sampled evenly across the held-out plays (0: all)"
@@ -186,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     demos = {name: DEMOS[name] for name in (args.only or DEMOS)}
     seeds = list(range(args.seeds))
-    train_all(args.runs, [recipe for recipe, _ in demos.values()], seeds, args.jobs, args.retrain)
+    if not args.bundle_only:
+        train_all(args.runs, [recipe for recipe, _ in demos.values()], seeds, args.jobs, args.retrain)
     if args.train_only:
         return
     rows = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_serve.quality import QualityRow
+from moe_serve.quality import QualityRow, QualityTable
 from recipes import build_demos, diagnostics, train
 from recipes.transformer_xl import HyperRouterGate, MemTransformerLM, TXLConfig
 
@@ -105,18 +105,56 @@ def test_a_runs_initial_weights_are_rebuilt_from_its_seed(tmp_path: Path) -> Non
     torch.testing.assert_close(trained.state_dict()["r_w_bias"], start["r_w_bias"] + 1.0)
 
 
-def rows(values: dict[int, float], metric: str = "bits_per_byte") -> list[QualityRow]:
-    return [QualityRow("shakespeare", k, metric, v) for k, v in values.items()]
+def rows(values: dict[int, float], metric: str = "bits_per_byte", model: str | None = None) -> list[QualityRow]:
+    return [QualityRow("shakespeare", k, metric, v, model) for k, v in values.items()]
 
 
 def test_seed_summary_and_best_seed() -> None:
     per_seed = {0: rows({1: 3.0, 2: 2.8}), 1: rows({1: 2.9, 2: 2.7}), 2: rows({1: 3.1, 2: 2.6})}
     assert build_demos.best_seed(per_seed, "causal_lm") == 1  # lowest mean over k (2.80 vs 2.90, 2.85)
-    summary = build_demos.seed_summary("smoe-lm", per_seed, 1, "causal_lm")
+    summary = build_demos.seed_summary("smoe-lm", per_seed, 1, "causal_lm", "settings")
     first = summary["quality"][0]
     assert (first["k"], first["metric"], first["mean"]) == (1, "bits_per_byte", 3.0)
     assert first["std"] == pytest.approx(0.1) and first["values"] == {"0": 3.0, "1": 2.9, "2": 3.1}
     assert summary["bundled_seed"] == 1 and "lowest mean bits_per_byte" in summary["chosen_by"]
     accuracy = {0: rows({1: 0.5}, "accuracy"), 1: rows({1: 0.7}, "accuracy")}
     assert build_demos.best_seed(accuracy, "sequence_classification") == 1
-    assert build_demos.seed_summary("x", {0: rows({1: 1.0})}, 0, "causal_lm")["quality"][0]["std"] is None
+    assert build_demos.seed_summary("x", {0: rows({1: 1.0})}, 0, "causal_lm", "s")["quality"][0]["std"] is None
+
+
+def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path, monkeypatch) -> None:
+    """Seeds trained in an earlier sitting (recorded in the bundled demo's provenance) join the summary under
+    the same recipe settings; the bundled demo, still the best seed, keeps its weights and gains the summary."""
+    record = {"recipe": "smoe-lm", "method": "smoe", "steps": 1500, "seed": 1, "command": "python -m ..."}
+    settings = build_demos.settings_sha256(record)
+    assert settings == build_demos.settings_sha256({**record, "seed": 2, "metrics": {"x": 1}})
+    assert settings != build_demos.settings_sha256({**record, "steps": 3000})
+    earlier = {0: rows({1: 2.8, 2: 2.7}), 1: rows({1: 2.9, 2: 2.8}), 2: rows({1: 3.0, 2: 2.9})}
+    bundled = tmp_path / "demo_models" / "shakespeare-smoe"
+    bundled.mkdir(parents=True)
+    provenance = {"seed": 0, "seeds": build_demos.seed_summary("smoe-lm", earlier, 0, "causal_lm", settings)}
+    (bundled / "config.json").write_text(json.dumps({"provenance": provenance}))
+    QualityTable(tuple(earlier[0])).write(bundled / "quality.json")
+    run = tmp_path / "runs" / "smoe-lm" / "seed-1"
+    run.mkdir(parents=True)
+    (run / "checkpoint.safetensors").write_bytes(b"")
+    (run / "training_config.json").write_text(json.dumps(record))
+    monkeypatch.setattr(build_demos, "BUNDLED_DIR", tmp_path / "demo_models")
+    monkeypatch.setattr(build_demos, "evaluate_run", lambda *_: rows({1: 2.9, 2: 2.8}))  # seed 1, as recorded
+
+    def no_export(*_):
+        raise AssertionError("the bundled demo is the best seed already: nothing to export")
+
+    monkeypatch.setattr(build_demos, "export", no_export)
+    out = build_demos.bundle("shakespeare-smoe", "smoe-lm", "smoe", tmp_path / "runs", [0, 1, 2], None)
+    assert [r.value for r in out] == [2.8, 2.7]
+    seeds = json.loads((bundled / "config.json").read_text())["provenance"]["seeds"]
+    assert seeds["seeds"] == [0, 1, 2] and seeds["bundled_seed"] == 0
+    assert seeds["quality"][0]["values"] == {"0": 2.8, "1": 2.9, "2": 3.0}
+
+    assert build_demos.earlier_seeds("shakespeare-smoe", settings, {1: rows({1: 2.9, 2: 2.8})}, [0, 1]) == {
+        0: rows({1: 2.8, 2: 2.7}, model="shakespeare-smoe")
+    }  # seeds outside the build's range are left out
+    assert build_demos.earlier_seeds("shakespeare-smoe", "other settings", {}, [0, 1, 2]) == {}
+    # a seed that measures differently now: the code changed, so none of the earlier figures count
+    assert build_demos.earlier_seeds("shakespeare-smoe", settings, {1: rows({1: 2.95, 2: 2.8})}, [0, 1, 2]) == {}
