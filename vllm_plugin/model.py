@@ -21,6 +21,7 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.attention import Attention as VllmAttention
 
+from moe_serve.artifact import storage_dtype
 from moe_serve.kernels import ops
 from moe_serve.layers.attention import Attention
 from moe_serve.layers.batch import ForwardBatch
@@ -116,8 +117,7 @@ class MoeServeForCausalLM(MoETransformer):
             return MoeServeDecoderLayer(c, i, vllm_config, f"{prefix}layers.{i}", shards)
 
         super().__init__(config, make_layer=make_layer)
-        if shards.size > 1:
-            self._keep_shares()
+        self._settle_parameters()
         moe = config.moe
         self.default_k = moe.default_k if moe is not None else 1
         self.min_k = moe.min_k if moe is not None else 1
@@ -127,16 +127,18 @@ class MoeServeForCausalLM(MoETransformer):
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.experts_per_token = torch.full((max_tokens,), self.default_k, dtype=torch.int64)
 
-    def _keep_shares(self) -> None:
-        """Each split parameter replaced by an empty one of this rank's share's shape, which load_weights
-        fills. (Building the layers allocates the full model for a moment: moe-serve's layers are built at
-        their full shapes.)"""
+    def _settle_parameters(self) -> None:
+        """Each parameter at the shape and dtype load_weights fills: this rank's share (parallel.py), and fp32
+        for router weights whatever the model's dtype (moe_serve.artifact.storage_dtype: bf16 rounding flips
+        top-k sets). (Building the layers allocates them at full size for a moment: moe-serve's layers are
+        built at their full shapes.)"""
         for name, param in list(self.named_parameters()):
             shape = parallel.shard(self, name, torch.empty(param.shape, device="meta"), self.shards).shape
-            if shape != param.shape:
+            dtype = storage_dtype(name, param.dtype)
+            if shape != param.shape or dtype != param.dtype:
                 module_name, _, leaf = name.rpartition(".")
-                share = torch.empty(shape, dtype=param.dtype, device=param.device)
-                setattr(self.get_submodule(module_name), leaf, nn.Parameter(share, requires_grad=False))
+                settled = torch.empty(shape, dtype=dtype, device=param.device)
+                setattr(self.get_submodule(module_name), leaf, nn.Parameter(settled, requires_grad=False))
 
     def set_experts_per_token(self, per_token: np.ndarray) -> None:
         self.experts_per_token[: len(per_token)].copy_(torch.from_numpy(per_token))
