@@ -5,6 +5,7 @@ chat stop string (recipes.play_chat). Nothing may leave this machine while they 
 from __future__ import annotations
 
 import ipaddress
+import json
 import socket
 from collections.abc import Iterator
 
@@ -13,23 +14,23 @@ import openai
 import pytest
 
 from moe_serve.config import EngineConfig
+from moe_serve.registry import resolve_model
 from moe_serve.server.settings import ServerSettings
 from recipes import play_chat
+from recipes.build_demos import LANGUAGE_MODELS
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 
-LMS = ("shakespeare-smoe", "shakespeare-hyperrouter", "shakespeare-dense")
 MESSAGES = [
     {"role": "system", "content": "Elsinore. A platform before the castle."},
     {"role": "user", "content": "What news from the court, good friend?"},
 ]
-DEFAULT_K = {"shakespeare-smoe": 8, "shakespeare-hyperrouter": 8, "shakespeare-dense": None}
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    running = start_server(ServerSettings(models=LMS, engine=EngineConfig(max_num_seqs=8)))
+    running = start_server(ServerSettings(models=LANGUAGE_MODELS, engine=EngineConfig(max_num_seqs=8)))
     yield running.url + "/v1"
     running.stop()
 
@@ -70,7 +71,7 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
 
 
-@pytest.mark.parametrize("model", LMS)
+@pytest.mark.parametrize("model", LANGUAGE_MODELS)
 def test_openai_chat_on_every_bundled_lm_with_logprobs(client: openai.OpenAI, model: str) -> None:
     response = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=24, seed=0, logprobs=True, top_logprobs=2
@@ -84,7 +85,8 @@ def test_openai_chat_on_every_bundled_lm_with_logprobs(client: openai.OpenAI, mo
     generated = b"".join(bytes(t.bytes) for t in tokens).decode(errors="replace")
     assert generated == choice.message.content + ("\n\n" if choice.finish_reason == "stop" else "")
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
-    assert response.usage.experts_per_token == DEFAULT_K[model]
+    moe = json.loads((resolve_model(model) / "config.json").read_text())["model"]["moe"]
+    assert response.usage.experts_per_token == (moe["experts_per_token"]["default"] if moe else None)
 
 
 def test_openai_streaming_chat_equals_the_whole_reply(client: openai.OpenAI) -> None:

@@ -16,8 +16,8 @@ from moe_serve.evaluation.datasets.shakespeare import markdown_to_text
 from moe_serve.model_config import ModelConfig
 from moe_serve.registry import resolve_model
 from recipes import play_chat
+from recipes.build_demos import LANGUAGE_MODELS
 
-LMS = ("shakespeare-smoe", "shakespeare-hyperrouter", "shakespeare-dense")
 CONVERSATION = [
     {"role": "system", "content": "Elsinore. A platform before the castle."},
     {"role": "user", "content": "What news from the court?\n"},
@@ -49,7 +49,7 @@ def messages(raw: list[dict]) -> list[p.ChatMessage]:
     return [p.ChatMessage(**m) for m in raw]
 
 
-@pytest.mark.parametrize("name", LMS)
+@pytest.mark.parametrize("name", LANGUAGE_MODELS)
 def test_every_bundled_lm_carries_the_recipe_template(name: str) -> None:
     """One owner: the artifacts hold exactly what recipes.play_chat installs (build_demos writes it)."""
     model = json.loads((resolve_model(name) / "config.json").read_text())["model"]
