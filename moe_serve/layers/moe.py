@@ -107,7 +107,7 @@ class MoEBlock(nn.Module):
             return topk_ids
         first, count = self.local_experts
         local = topk_ids - first
-        return torch.where((topk_ids >= 0) & (local < count) & (local >= 0), local, -1)
+        return torch.where((local >= 0) & (local < count), local, -1)  # an unused slot (-1) is below every first
 
     def _hyper_experts(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """HyperMoE's adapter of each token's selected set, weight 1, grouped by set as experts are."""
