@@ -14,7 +14,8 @@
    `seeds` holds every seed's figures and their mean and standard deviation, and its router diagnostics
    (recipes.diagnostics). `moe-serve eval --stored` prints them side by side. Seeds whose runs are not
    under --runs but which the bundled demo's provenance records (an earlier build, same recipe settings)
-   count too, so the seeds of a recipe can be trained in several sittings.
+   count too, so the seeds of a recipe can be trained in several sittings; a recipe with no run under
+   --runs whose bundled demo already records every seed asked for keeps that demo as it is.
 Writes docs/quality_vs_k.{csv,png} from the bundled demos.
 """
 
@@ -128,6 +129,12 @@ def settings_sha256(record: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
+def bundled_summary(artifact: Path) -> dict | None:
+    """The seeds summary in the bundled demo's provenance (None when there is no such demo or summary)."""
+    path = artifact / CONFIG_FILE
+    return json.loads(path.read_text())["provenance"].get("seeds") if path.is_file() else None
+
+
 def earlier_seeds(
     name: str, settings: str, measured: dict[int, list[QualityRow]], seeds: list[int]
 ) -> dict[int, list[QualityRow]]:
@@ -135,8 +142,7 @@ def earlier_seeds(
     training 3 seeds of every recipe takes longer than one sitting on 2 cores, and runs/ may be gone. Kept
     only under the same recipe settings, and only if every seed measured both then and now agrees (else
     the code changed under the same settings, and none of the earlier figures is used)."""
-    path = BUNDLED_DIR / name / CONFIG_FILE
-    summary = json.loads(path.read_text())["provenance"].get("seeds") if path.is_file() else None
+    summary = bundled_summary(BUNDLED_DIR / name)
     if not summary or summary.get("settings_sha256") != settings:
         return {}
     rows: dict[int, list[QualityRow]] = {}
@@ -192,10 +198,24 @@ def best_seed(per_seed: dict[int, list[QualityRow]], task: str) -> int:
     return min(sorted(per_seed), key=score)
 
 
+def bundled_seeds(artifact: Path) -> set[int]:
+    summary = bundled_summary(artifact)
+    return set(summary["seeds"]) if summary else set()
+
+
+def bundled_rows(artifact: Path) -> list[QualityRow]:
+    return [r for r in QualityTable.read(artifact / QUALITY_FILE).rows if r.policy is None]
+
+
 def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_items: int | None) -> list[QualityRow]:
     available = [s for s in seeds if (run_dir(runs, recipe, s) / TRAINING_CHECKPOINT).is_file()]
+    artifact = BUNDLED_DIR / name
     if not available:
-        raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
+        recorded = bundled_seeds(artifact)
+        if not set(seeds) <= recorded:
+            raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
+        print(f"{name}: no run under {runs}; the bundled demo already records seeds {sorted(recorded)} and stays")
+        return bundled_rows(artifact)
     measured = {s: evaluate_run(run_dir(runs, recipe, s), fmt, max_items) for s in available}
     records = {s: json.loads((run_dir(runs, recipe, s) / TRAINING_CONFIG).read_text()) for s in available}
     settings = settings_sha256(records[available[0]])
@@ -205,7 +225,6 @@ def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_i
     task = "causal_lm" if train.RECIPES[recipe].kind == "lm" else "sequence_classification"
     best = best_seed(per_seed, task)
     summary = seed_summary(recipe, per_seed, best, task, settings)
-    artifact = BUNDLED_DIR / name
     if best not in measured:  # the bundled demo is that seed already: only its seeds' summary changes
         path = artifact / CONFIG_FILE
         manifest = json.loads(path.read_text())
@@ -213,7 +232,7 @@ def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_i
             raise SystemExit(f"{name}: the best seed is {best}, whose run is not under {runs}; bundled is another")
         manifest["provenance"]["seeds"] = summary
         path.write_text(json.dumps(manifest, indent=2) + "\n")  # save_artifact's layout
-        return [r for r in QualityTable.read(artifact / QUALITY_FILE).rows if r.policy is None]
+        return bundled_rows(artifact)
     source = run_dir(runs, recipe, best)
     record = records[best]
     record["seeds"] = summary  # carried into the artifact's provenance

@@ -158,3 +158,10 @@ def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path
     assert build_demos.earlier_seeds("shakespeare-smoe", "other settings", {}, [0, 1, 2]) == {}
     # a seed that measures differently now: the code changed, so none of the earlier figures count
     assert build_demos.earlier_seeds("shakespeare-smoe", settings, {1: rows({1: 2.95, 2: 2.8})}, [0, 1, 2]) == {}
+
+    # no run of the recipe here at all: a demo whose provenance records every seed asked for stays as it is
+    (run / "checkpoint.safetensors").unlink()
+    kept = build_demos.bundle("shakespeare-smoe", "smoe-lm", "smoe", tmp_path / "runs", [0, 1, 2], None)
+    assert [r.value for r in kept] == [2.8, 2.7]
+    with pytest.raises(SystemExit, match="no trained run of smoe-lm"):
+        build_demos.bundle("shakespeare-smoe", "smoe-lm", "smoe", tmp_path / "runs", [0, 1, 2, 3], None)
