@@ -1,8 +1,9 @@
 """Compute kernels behind one small interface, each with two implementations:
 
-- `cpu`: the C++ extension in csrc/ (AVX-512, built on first use with the machine's compiler and cached
-  under ~/.cache/moe-serve/kernels, or `$MOE_SERVE_KERNEL_CACHE`): fp32 activations, fp32 or bf16 weights;
-- `torch`: plain PyTorch, for CUDA, other dtypes, machines without AVX-512 or a compiler, and as the
+- `cpu`: the C++ extension in csrc/ (AVX-512, or AVX2 with FMA; built on first use with the machine's
+  compiler and cached under ~/.cache/moe-serve/kernels, or `$MOE_SERVE_KERNEL_CACHE`): fp32 activations,
+  fp32 or bf16 weights;
+- `torch`: plain PyTorch, for CUDA, other dtypes, machines with neither or without a compiler, and as the
   obviously correct reference the tests compare the fast path with.
 
 `MOE_SERVE_KERNELS=torch` forces the torch implementations. `python -m moe_serve.kernels` builds the
@@ -46,8 +47,8 @@ def cpu_extension() -> ModuleType | None:
         _tried = True
         if os.environ.get("MOE_SERVE_KERNELS", "auto") == "torch":
             return None
-        if not _cpu_supports_avx512():
-            logger.warning("CPU kernels need AVX-512; using the torch implementations")
+        if not cpu_supports_kernels():
+            logger.warning("CPU kernels need AVX-512 or AVX2 with FMA; using the torch implementations")
             return None
         try:
             _extension = _load_or_build()
@@ -124,6 +125,7 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def _cpu_supports_avx512() -> bool:
+def cpu_supports_kernels() -> bool:
+    """What csrc/ compiles for (its #if): AVX-512 F/BW/VL, or AVX2 with FMA."""
     flags = set(_cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl"} <= flags
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma"} <= flags

@@ -11,9 +11,12 @@ import time
 
 import pytest
 
-from moe_serve.kernels import _cpu_supports_avx512, cache_dir
+from moe_serve.kernels import cache_dir, cpu_supports_kernels
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _cpu_supports_avx512(), reason="the CPU kernels need AVX-512")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cpu_supports_kernels(), reason="the CPU kernels need AVX-512 or AVX2 + FMA"),
+]
 
 LOAD = "from moe_serve.kernels import cpu_extension; assert cpu_extension() is not None; print('ok')"
 

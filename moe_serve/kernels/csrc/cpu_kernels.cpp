@@ -14,6 +14,8 @@
 //                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax.
 //   packed_attention  the same over keys packed with the queries (bidirectional encoders, no cache).
 //
+// Built with -march=native for AVX-512 or, on CPUs without it, AVX2 + FMA (see "16-lane float vectors").
+//
 // Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots per
 // token, D hidden, I expert intermediate size, NB blocks, BS block size (a multiple of 16).
 // Cache layout: k_cache [NB, G, Dh, BS] (transposed within a block), v_cache [NB, G, BS, Dh].
@@ -32,34 +34,154 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+// ---- 16-lane float vectors ---------------------------------------------------------------------------
+// Every kernel below works on 16 floats at a time (16 keys of a cache block, 16 values of a dot product):
+// one AVX-512 register, or two AVX2 registers (lanes 0-7, 8-15) on CPUs without AVX-512 (AMD Zen 1-3,
+// older Intel). The kernels are written once against these few operations, so both builds compute each
+// output with the same sequence of operations per lane; only the horizontal sums' order differs by ISA.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+using vf = __m512;
+using mask16 = __mmask16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
-inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16m(const bf16* p, __mmask16 m) {
+inline vf vload_masked(mask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline vf vload_masked(mask16 m, const bf16* p) {
   __m256i v = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void vstore_masked(float* p, mask16 m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vf vscale_pow2(vf y, vf n) { return vscale_pow2(y, n); }  // y * 2^n, n integral
+inline vf vkeep(mask16 m, vf a) { return _mm512_maskz_mov_ps(m, a); }  // lanes outside m: 0
+inline vf vnegate_where_negative(vf sign_of, vf a) {
+  return _mm512_mask_sub_ps(a, _mm512_cmp_ps_mask(sign_of, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), a);
+}
+inline vf vreverse(vf a) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), a);
+}
+inline float vreduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline float vreduce_max_masked(mask16 m, vf a) { return _mm512_mask_reduce_max_ps(m, a); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+struct vf {
+  __m256 lo, hi;
+};
+using mask16 = uint16_t;
+inline __m256i lane_bits8(unsigned bits) {  // lane i: all ones where bit i of `bits` is set
+  const __m256i each = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), each), each);
+}
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(__m128i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); }
+inline vf vload(const bf16* p) {
+  return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline vf vload_masked(mask16 m, const float* p) {
+  return {_mm256_maskload_ps(p, lane_bits8(m & 0xFF)), _mm256_maskload_ps(p + 8, lane_bits8(m >> 8))};
+}
+inline vf vload_masked(mask16 m, const bf16* p) {  // no 16-bit masked load in AVX2: a tail, copied
+  alignas(32) uint16_t tail[16] = {0};
+  for (int c = 0; c < 16; ++c)
+    if ((m >> c) & 1) tail[c] = reinterpret_cast<const uint16_t*>(p)[c];
+  return vload(reinterpret_cast<const bf16*>(tail));
+}
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+inline void vstore_masked(float* p, mask16 m, vf v) {
+  _mm256_maskstore_ps(p, lane_bits8(m & 0xFF), v.lo);
+  _mm256_maskstore_ps(p + 8, lane_bits8(m >> 8), v.hi);
+}
+#define MOE_SERVE_BINARY(name, op) \
+  inline vf name(vf a, vf b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+MOE_SERVE_BINARY(vadd, _mm256_add_ps)
+MOE_SERVE_BINARY(vsub, _mm256_sub_ps)
+MOE_SERVE_BINARY(vmul, _mm256_mul_ps)
+MOE_SERVE_BINARY(vdiv, _mm256_div_ps)
+MOE_SERVE_BINARY(vmin, _mm256_min_ps)
+MOE_SERVE_BINARY(vmax, _mm256_max_ps)
+#undef MOE_SERVE_BINARY
+inline vf vfmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf vfnmadd(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf vabs(vf a) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)};
+}
+inline vf vfloor(vf a) { return {_mm256_floor_ps(a.lo), _mm256_floor_ps(a.hi)}; }
+inline __m256 pow2(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
+inline __m256 scale_pow2(__m256 y, __m256 n) {  // y * 2^n in two exact steps: each half of n is a normal exponent
+  __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(_mm256_sub_epi32(ni, half)));
+}
+inline vf vscale_pow2(vf y, vf n) { return {scale_pow2(y.lo, n.lo), scale_pow2(y.hi, n.hi)}; }
+inline vf vkeep(mask16 m, vf a) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lane_bits8(m & 0xFF))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(lane_bits8(m >> 8)))};
+}
+inline vf vnegate_where_negative(vf sign_of, vf a) {
+  __m256 zero = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(a.lo, _mm256_sub_ps(zero, a.lo), _mm256_cmp_ps(sign_of.lo, zero, _CMP_LT_OQ)),
+          _mm256_blendv_ps(a.hi, _mm256_sub_ps(zero, a.hi), _mm256_cmp_ps(sign_of.hi, zero, _CMP_LT_OQ))};
+}
+inline vf vreverse(vf a) {
+  const __m256i reverse8 = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  return {_mm256_permutevar8x32_ps(a.hi, reverse8), _mm256_permutevar8x32_ps(a.lo, reverse8)};
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vreduce_add(vf a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float vreduce_max_masked(mask16 m, vf a) {
+  alignas(32) float lanes[16];
+  vstore(lanes, a);
+  float best = -INFINITY;
+  for (int c = 0; c < 16; ++c)
+    if ((m >> c) & 1) best = std::max(best, lanes[c]);
+  return best;
+}
+
+#else
+#error "moe-serve's CPU kernels need AVX-512 (F, BW, VL) or AVX2 with FMA"
+#endif
+
+inline mask16 tail_mask(int64_t n) { return n >= 16 ? (mask16)0xFFFF : (mask16)((1u << n) - 1); }
 
 // exp for x <= 88 (Cephes-style range reduction and polynomial; ~1 ulp).
-inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f)), _mm512_set1_ps(88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
+inline vf exp16(vf x) {
+  const vf log2e = vset1(1.44269504088896341f);
+  x = vmin(vmax(x, vset1(-87.3365447504f)), vset1(88.3762626647949f));
+  vf n = vfloor(vfmadd(x, log2e, vset1(0.5f)));
+  vf r = vfnmadd(n, vset1(0.693359375f), x);
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = vfmadd(y, r, vset1(1.3981999507e-3f));
+  y = vfmadd(y, r, vset1(8.3334519073e-3f));
+  y = vfmadd(y, r, vset1(4.1665795894e-2f));
+  y = vfmadd(y, r, vset1(1.6666665459e-1f));
+  y = vfmadd(y, r, vset1(5.0000001201e-1f));
+  y = vfmadd(y, vmul(r, r), vadd(r, vset1(1.f)));
+  return vscale_pow2(y, n);
 }
 
 bool small_work(int64_t work) { return work < (1 << 15); }  // below this, a thread handoff costs more
@@ -70,35 +192,40 @@ bool small_work(int64_t work) { return work < (1 << 15); }  // below this, a thr
 // the same FMA chain whatever MB and NB are.
 template <typename W, int MB, int NB>
 inline void micro(const float* X, int64_t ldx, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
-  __m512 acc[MB][NB];
+  vf acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    __m512 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load16(Wp + j * ldw + k);
+    vf w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = vload(Wp + j * ldw + k);
     for (int i = 0; i < MB; ++i) {
-      __m512 x = _mm512_loadu_ps(X + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
+      vf x = vload(X + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, w[j], acc[i][j]);
     }
   }
   if (k < K) {
-    __mmask16 m = tail_mask(K - k);
-    __m512 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load16m(Wp + j * ldw + k, m);
+    mask16 m = tail_mask(K - k);
+    vf w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = vload_masked(m, Wp + j * ldw + k);
     for (int i = 0; i < MB; ++i) {
-      __m512 x = _mm512_maskz_loadu_ps(m, X + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(x, w[j], acc[i][j]);
+      vf x = vload_masked(m, X + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, w[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) C[i * ldc + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NB; ++j) C[i * ldc + j] = vreduce_add(acc[i][j]);
 }
 
-// Above 4 rows of X, a block of 5 rows of W meets 5 rows of X: 25 accumulators, 5 loads of W and 5 of X
-// per 25 FMAs. Measured at 64 rows against 8x2 blocks: 160 GFLOP/s against 93 (1024 x 32000); 4x6 143,
-// 6x4 127 (25 accumulators + 5 W + 1 X fill 31 of the 32 vector registers).
+// Above 4 rows of X, a block of BLOCK_W rows of W meets BLOCK_X rows of X: BLOCK_X * BLOCK_W accumulators.
+// AVX-512: 5 x 5, 5 loads of W and 5 of X per 25 FMAs. Measured at 64 rows against 8x2 blocks: 160 GFLOP/s
+// against 93 (1024 x 32000); 4x6 143, 6x4 127 (25 accumulators + 5 W + 1 X fill 31 of the 32 registers).
+// AVX2 has 16 registers and a vf takes two: 3 x 2 (12 for the accumulators, 4 for W; X from L1).
+#if defined(__AVX512F__)
 constexpr int BLOCK_X = 5, BLOCK_W = 5;
+#else
+constexpr int BLOCK_X = 3, BLOCK_W = 2;
+#endif
 
 template <typename W, int NB>
 inline void micro_rows(const float* X, int64_t ldx, int64_t mb, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
@@ -197,29 +324,29 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
 enum Activation : int64_t { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
 
 // erf, |error| < 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
-inline __m512 erf16(__m512 x) {
-  __m512 z = _mm512_abs_ps(x);
-  __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.f)));
+inline vf erf16(vf x) {
+  vf z = vabs(x);
+  vf t = vdiv(vset1(1.f), vfmadd(z, vset1(0.5f), vset1(1.f)));
   const float c[] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f,
                      0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f};
-  __m512 p = _mm512_set1_ps(c[0]);
-  for (int i = 1; i < 10; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(c[i]));
-  __m512 erfc = _mm512_mul_ps(t, exp16(_mm512_sub_ps(p, _mm512_mul_ps(z, z))));
-  __m512 r = _mm512_sub_ps(_mm512_set1_ps(1.f), erfc);
-  return _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), r);
+  vf p = vset1(c[0]);
+  for (int i = 1; i < 10; ++i) p = vfmadd(p, t, vset1(c[i]));
+  vf erfc = vmul(t, exp16(vsub(p, vmul(z, z))));
+  vf r = vsub(vset1(1.f), erfc);
+  return vnegate_where_negative(x, r);
 }
 
-inline __m512 activate16(__m512 v, int64_t kind) {
-  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+inline vf activate16(vf v, int64_t kind) {
+  const vf one = vset1(1.f), half = vset1(0.5f);
   switch (kind) {
-    case RELU: return _mm512_max_ps(v, _mm512_setzero_ps());
-    case GELU: return _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, erf16(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)))));
+    case RELU: return vmax(v, vzero());
+    case GELU: return vmul(vmul(half, v), vadd(one, erf16(vmul(v, vset1(0.70710678118654752f)))));
     case GELU_TANH: {
-      __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.79788456080286536f), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v));
-      __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(one, exp16(_mm512_add_ps(y, y)))));
-      return _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, tanh));
+      vf y = vmul(vset1(0.79788456080286536f), vfmadd(vmul(vset1(0.044715f), v), vmul(v, v), v));
+      vf tanh = vsub(one, vdiv(vset1(2.f), vadd(one, exp16(vadd(y, y)))));
+      return vmul(vmul(half, v), vadd(one, tanh));
     }
-    default: return _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    default: return vdiv(v, vadd(one, exp16(vsub(vzero(), v))));
   }
 }
 
@@ -227,17 +354,17 @@ inline __m512 activate16(__m512 v, int64_t kind) {
 inline void epilogue(float* out, const float* up, const float* b, const float* b3, int64_t n, int64_t act,
                      bool gated, bool activated) {
   for (int64_t r = 0; r < n; r += 16) {
-    __mmask16 m = tail_mask(n - r);
-    __m512 v = _mm512_maskz_loadu_ps(m, out + r);
-    if (b != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + r));
+    mask16 m = tail_mask(n - r);
+    vf v = vload_masked(m, out + r);
+    if (b != nullptr) v = vadd(v, vload_masked(m, b + r));
     if (gated) {
-      __m512 u = _mm512_maskz_loadu_ps(m, up + r);
-      if (b3 != nullptr) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b3 + r));
-      v = _mm512_mul_ps(activate16(v, act), u);
+      vf u = vload_masked(m, up + r);
+      if (b3 != nullptr) u = vadd(u, vload_masked(m, b3 + r));
+      v = vmul(activate16(v, act), u);
     } else if (activated) {
       v = activate16(v, act);
     }
-    _mm512_mask_storeu_ps(out + r, m, v);
+    vstore_masked(out + r, m, v);
   }
 }
 
@@ -410,11 +537,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   auto body = [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * D;
-      __m512 acc = _mm512_setzero_ps();
+      vf acc = vzero();
       int64_t d = 0;
-      for (; d + 16 <= D; d += 16) { __m512 v = _mm512_loadu_ps(xr + d); acc = _mm512_fmadd_ps(v, v, acc); }
-      if (d < D) { __m512 v = _mm512_maskz_loadu_ps(tail_mask(D - d), xr + d); acc = _mm512_fmadd_ps(v, v, acc); }
-      float scale = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)D + (float)eps);
+      for (; d + 16 <= D; d += 16) { vf v = vload(xr + d); acc = vfmadd(v, v, acc); }
+      if (d < D) { vf v = vload_masked(tail_mask(D - d), xr + d); acc = vfmadd(v, v, acc); }
+      float scale = 1.f / std::sqrt(vreduce_add(acc) / (float)D + (float)eps);
       for (d = 0; d < D; ++d) op[r * D + d] = wp[d] * (xr[d] * scale);
     }
   };
@@ -485,29 +612,29 @@ struct Softmax {
   float* acc;
   int64_t Dh;
   // scores s (16 keys, invalid lanes masked out) with their values at v + c * v_stride.
-  inline void add16(__m512 s, __mmask16 valid, const float* v, int64_t v_stride) {
+  inline void add16(vf s, mask16 valid, const float* v, int64_t v_stride) {
     if (!valid) return;
-    float block_max = _mm512_mask_reduce_max_ps(valid, s);
+    float block_max = vreduce_max_masked(valid, s);
     if (block_max > m) {
       float correction = m == -INFINITY ? 0.f : std::exp(m - block_max);
       for (int64_t d = 0; d < Dh; ++d) acc[d] *= correction;
       l *= correction;
       m = block_max;
     }
-    __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-    l += _mm512_reduce_add_ps(p);
+    vf p = vkeep(valid, exp16(vsub(s, vset1(m))));
+    l += vreduce_add(p);
     alignas(64) float pc[16];
-    _mm512_store_ps(pc, p);
+    vstore(pc, p);
     for (int c = 0; c < 16; ++c) {
       if (!((valid >> c) & 1)) continue;
-      __m512 pv = _mm512_set1_ps(pc[c]);
+      vf pv = vset1(pc[c]);
       const float* vr = v + c * v_stride;
       int64_t d = 0;
       for (; d + 16 <= Dh; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + d), _mm512_loadu_ps(acc + d)));
+        vstore(acc + d, vfmadd(pv, vload(vr + d), vload(acc + d)));
       if (d < Dh) {
-        __mmask16 m2 = tail_mask(Dh - d);
-        _mm512_mask_storeu_ps(acc + d, m2, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m2, vr + d), _mm512_maskz_loadu_ps(m2, acc + d)));
+        mask16 m2 = tail_mask(Dh - d);
+        vstore_masked(acc + d, m2, vfmadd(pv, vload_masked(m2, vr + d), vload_masked(m2, acc + d)));
       }
     }
   }
@@ -519,21 +646,20 @@ struct Softmax {
 
 // Relative term for 16 consecutive keys j0..j0+15: sum_d q_rel[d] * rkt[d][index0 - j], rkt [Dh, R]
 // (this head's projected sinusoid of each distance), index0 = position + offset.
-inline __m512 relative16(const float* q_rel, const float* rkt, int64_t R, int64_t Dh, int64_t index0, int64_t j0, __mmask16 valid) {
+inline vf relative16(const float* q_rel, const float* rkt, int64_t R, int64_t Dh, int64_t index0, int64_t j0, mask16 valid) {
   // lanes c = 0..15 read distance index0 - j0 - c: a reversed contiguous range [lo, lo + 16).
   int64_t lo = index0 - j0 - 15;
-  const __m512i reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __mmask16 in_range = 0;
+  mask16 in_range = 0;
   for (int c = 0; c < 16; ++c) {
     int64_t idx = lo + c;
-    if (idx >= 0 && idx < R) in_range |= (__mmask16)(1u << c);
+    if (idx >= 0 && idx < R) in_range |= (mask16)(1u << c);
   }
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = vzero();
   for (int64_t d = 0; d < Dh; ++d) {
-    __m512 r = _mm512_maskz_loadu_ps(in_range, rkt + d * R + lo);
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(q_rel[d]), r, acc);
+    vf r = vload_masked(in_range, rkt + d * R + lo);
+    acc = vfmadd(vset1(q_rel[d]), r, acc);
   }
-  return _mm512_maskz_mov_ps(valid, _mm512_permutexvar_ps(reverse, acc));
+  return vkeep(valid, vreverse(acc));
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -584,11 +710,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
         int64_t block = tp[seq * width + j0 / BS], off = j0 % BS;
         const float* kt = kc + ((block * G + g) * Dh) * BS + off;  // [Dh, BS], columns off..off+15
         const float* vb = vc + ((block * G + g) * BS + off) * Dh;
-        __mmask16 valid = tail_mask(num_keys - j0);
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t d = 0; d < Dh; ++d) s = _mm512_fmadd_ps(_mm512_set1_ps(qs[d]), _mm512_loadu_ps(kt + d * BS), s);
-        if (rkp != nullptr) s = _mm512_add_ps(s, relative16(qrs.data(), rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
-        sm.add16(_mm512_mul_ps(s, _mm512_set1_ps(fscale)), valid, vb, Dh);
+        mask16 valid = tail_mask(num_keys - j0);
+        vf s = vzero();
+        for (int64_t d = 0; d < Dh; ++d) s = vfmadd(vset1(qs[d]), vload(kt + d * BS), s);
+        if (rkp != nullptr) s = vadd(s, relative16(qrs.data(), rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
+        sm.add16(vmul(s, vset1(fscale)), valid, vb, Dh);
       }
       sm.finish(op + i * Dh);
     }
@@ -640,19 +766,19 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
       std::fill(acc.begin(), acc.end(), 0.f);
       int64_t row0 = starts[seq];
       for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-        __mmask16 valid = tail_mask(num_keys - j0);
+        mask16 valid = tail_mask(num_keys - j0);
         for (int c = 0; c < 16; ++c) {
           if (j0 + c >= num_keys) { scores[c] = 0.f; continue; }
           const float* kr = kp + ((row0 + j0 + c) * G + g) * Dh;
-          __m512 a = _mm512_setzero_ps();
+          vf a = vzero();
           int64_t d = 0;
-          for (; d + 16 <= Dh; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + d), _mm512_loadu_ps(kr + d), a);
-          if (d < Dh) { __mmask16 m = tail_mask(Dh - d); a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qi + d), _mm512_maskz_loadu_ps(m, kr + d), a); }
-          scores[c] = _mm512_reduce_add_ps(a);
+          for (; d + 16 <= Dh; d += 16) a = vfmadd(vload(qi + d), vload(kr + d), a);
+          if (d < Dh) { mask16 m = tail_mask(Dh - d); a = vfmadd(vload_masked(m, qi + d), vload_masked(m, kr + d), a); }
+          scores[c] = vreduce_add(a);
         }
-        __m512 s = _mm512_load_ps(scores);
-        if (rkp != nullptr) s = _mm512_add_ps(s, relative16(qrp + i * Dh, rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
-        sm.add16(_mm512_mul_ps(s, _mm512_set1_ps(fscale)), valid, vp + ((row0 + j0) * G + g) * Dh, G * Dh);
+        vf s = vload(scores);
+        if (rkp != nullptr) s = vadd(s, relative16(qrp + i * Dh, rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
+        sm.add16(vmul(s, vset1(fscale)), valid, vp + ((row0 + j0) * G + g) * Dh, G * Dh);
       }
       sm.finish(op + i * Dh);
     }
