@@ -120,7 +120,9 @@ def evaluate_run(run: Path, fmt: str, max_items: int | None) -> list[QualityRow]
 
 
 # A training record's keys that describe one run; every other key is the recipe's settings.
-RUN_KEYS = frozenset({"seed", "command", "metrics", "train_seconds", "hyperrouter_embedding_lr_scale", "seeds"})
+RUN_KEYS = frozenset(
+    {"seed", "command", "metrics", "train_seconds", "hyperrouter_embedding_lr_scale", "seeds", "cpu_bf16_units"}
+)
 
 
 def settings_sha256(record: dict) -> str:

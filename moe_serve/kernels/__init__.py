@@ -67,7 +67,7 @@ def cache_dir() -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), torch.__version__.encode()):
         key.update(part)
-    key.update(f"{sys.version_info[:2]} {platform.machine()} {_cpu_flags()}".encode())
+    key.update(f"{sys.version_info[:2]} {platform.machine()} {cpu_flags()}".encode())
     return root / key.hexdigest()[:16]
 
 
@@ -116,8 +116,8 @@ def _import(library: Path) -> ModuleType:
     return module
 
 
-def _cpu_flags() -> str:
-    """The first CPU's feature flags (`-march=native` compiles for exactly these), or "" off Linux."""
+def cpu_flags() -> str:
+    """The first CPU's feature flags line (`-march=native` compiles for exactly these), or "" off Linux."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -127,5 +127,5 @@ def _cpu_flags() -> str:
 
 def cpu_supports_kernels() -> bool:
     """What csrc/ compiles for (its #if): AVX-512 F/BW/VL, or AVX2 with FMA."""
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     return {"avx512f", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma"} <= flags
