@@ -220,11 +220,12 @@ inline void micro(const float* X, int64_t ldx, const W* Wp, int64_t ldw, int64_t
 // Above 4 rows of X, a block of BLOCK_W rows of W meets BLOCK_X rows of X: BLOCK_X * BLOCK_W accumulators.
 // AVX-512: 5 x 5, 5 loads of W and 5 of X per 25 FMAs. Measured at 64 rows against 8x2 blocks: 160 GFLOP/s
 // against 93 (1024 x 32000); 4x6 143, 6x4 127 (25 accumulators + 5 W + 1 X fill 31 of the 32 registers).
-// AVX2 has 16 registers and a vf takes two: 3 x 2 (12 for the accumulators, 4 for W; X from L1).
+// AVX2 has 16 registers and a vf takes two: 2 x 2 (8 for the accumulators, 4 for W, 2 for X); at 64 rows
+// (1024 x 32000) 79 GFLOP/s on 2 Zen cores against 72 for 3 x 2 (which spills) and 65 for 4 x 1.
 #if defined(__AVX512F__)
 constexpr int BLOCK_X = 5, BLOCK_W = 5;
 #else
-constexpr int BLOCK_X = 3, BLOCK_W = 2;
+constexpr int BLOCK_X = 2, BLOCK_W = 2;
 #endif
 
 template <typename W, int NB>
