@@ -206,22 +206,6 @@ class TorchRunner:
             result.logits = self.model.lm_logits(last)  # [R, V] fp32
         return result
 
-    def _chunk_logprobs(self, hidden: torch.Tensor, item) -> tuple[list[float], list[dict[int, float]]]:
-        """log p(token_{i+1} | tokens_<=i) for the chunk's positions i that have a next prompt token, and
-        the `params.logprobs` most likely tokens at each when asked for."""
-        seq = item.seq
-        targets = seq.token_ids[item.start + 1 : item.end + 1]  # the last chunk's last position predicts nothing
-        if not targets:
-            return [], []
-        logprobs = torch.log_softmax(self.model.lm_logits(hidden[: len(targets)]), dim=-1)  # [n, V]
-        index = torch.tensor(targets, device=hidden.device)[:, None]
-        values = logprobs.gather(1, index)[:, 0].tolist()
-        if not seq.params.logprobs:
-            return values, []
-        top_values, top_ids = logprobs.topk(seq.params.logprobs, dim=-1)
-        tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
-        return values, tops
-
     def track_expert_load(self) -> None:
         self.model.track_expert_load()
 

@@ -6,8 +6,9 @@
 - `torch`: plain PyTorch, for CUDA, other dtypes, machines with neither or without a compiler, and as the
   obviously correct reference the tests compare the fast path with.
 
-`MOE_SERVE_KERNELS=torch` forces the torch implementations. `python -m moe_serve.kernels` builds the
-extension ahead of time (`make install` does).
+`MOE_SERVE_KERNELS=torch` forces the torch implementations; `MOE_SERVE_KERNEL_ISA=avx2` builds the AVX2
+variant on a CPU with AVX-512 too (the tests cover both builds that way). `python -m moe_serve.kernels`
+builds the extension ahead of time (`make install` does).
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def cpu_extension() -> ModuleType | None:
         return _extension
 
 
+def cflags() -> tuple[str, ...]:
+    """-march=native: AVX-512 where the CPU has it, else AVX2; MOE_SERVE_KERNEL_ISA=avx2 forces AVX2."""
+    return CFLAGS + ("-mno-avx512f",) if os.environ.get("MOE_SERVE_KERNEL_ISA") == "avx2" else CFLAGS
+
+
 def cache_dir() -> Path:
     """Where this exact build lives: keyed by the source, the flags, torch, Python and the machine, so a
     changed kernel or a different interpreter never loads a stale library."""
@@ -65,7 +71,7 @@ def cache_dir() -> Path:
     import torch
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), torch.__version__.encode()):
+    for part in (SOURCE.read_bytes(), repr((cflags(), LDFLAGS)).encode(), torch.__version__.encode()):
         key.update(part)
     key.update(f"{sys.version_info[:2]} {platform.machine()} {cpu_flags()}".encode())
     return root / key.hexdigest()[:16]
@@ -97,7 +103,7 @@ def _build(directory: Path, library: Path) -> None:
     load(
         name=NAME,
         sources=[str(SOURCE)],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(cflags()),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(scratch),
         verbose=False,

@@ -1,18 +1,26 @@
 """The C++ CPU kernels directly: a row's result is bitwise the same whatever the number of rows beside it
-(they take different block shapes by row count: one row of W at a time up to 4 rows of X, 5x5 blocks above,
-single-row tails), and close to PyTorch's."""
+(they take different block shapes by row count: one row of W at a time up to 4 rows of X, register blocks
+above (5x5 with AVX-512, 2x2 with AVX2), single-row tails), and close to PyTorch's."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from moe_serve.kernels import cpu_extension
+from moe_serve.kernels import cpu_extension, cpu_flags
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="no C++ CPU kernels on this machine")
 
 ROWS = (1, 2, 3, 4, 5, 6, 9, 10, 11, 64, 67)
+
+
+def test_the_build_uses_the_widest_vectors_allowed() -> None:
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= set(cpu_flags().split())
+    forced = os.environ.get("MOE_SERVE_KERNEL_ISA") == "avx2"
+    assert cpu_extension().isa() == ("avx512" if avx512 and not forced else "avx2")
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 13, 128])

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,20 @@ def test_a_killed_build_does_not_block_later_processes(tmp_path, monkeypatch):
     assert [out.strip() for out, _ in outputs] == ["ok", "ok"]
     assert sum("building the CPU kernels" in err for _, err in outputs) == 1  # one built, one waited
     assert sorted(p.name for p in directory.iterdir()) == ["build.lock", "moe_serve_cpu_kernels.so"]
+
+
+def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
+    """Where the CPU has AVX-512 the AVX2 variant is otherwise never built: build it and run the kernel
+    tests against it (on an AVX2-only CPU this repeats the native build)."""
+    env = {**os.environ, "MOE_SERVE_KERNEL_CACHE": str(tmp_path), "MOE_SERVE_KERNEL_ISA": "avx2"}
+    env.pop("MOE_SERVE_KERNELS", None)
+    tests = Path(__file__).parent / "test_cpu_kernels.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace {
@@ -42,6 +43,7 @@ using bf16 = at::BFloat16;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
+constexpr const char* ISA = "avx512";
 using vf = __m512;
 using mask16 = __mmask16;
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -81,6 +83,7 @@ inline float vreduce_max_masked(mask16 m, vf a) { return _mm512_mask_reduce_max_
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
+constexpr const char* ISA = "avx2";
 struct vf {
   __m256 lo, hi;
 };
@@ -792,6 +795,7 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", [] { return std::string(ISA); }, "the vector instructions this build uses: avx512 or avx2");
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
   m.def("topk_route", &topk_route, "top-k experts per row and their weights");
