@@ -131,7 +131,14 @@ def cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def cpu_supports_kernels() -> bool:
-    """What csrc/ compiles for (its #if): AVX-512 F/BW/VL, or AVX2 with FMA."""
+def target_isa() -> str | None:
+    """The vector instructions csrc/ compiles for here (its #if; `isa()` of the build): avx512 with
+    AVX-512 F/BW/VL (unless MOE_SERVE_KERNEL_ISA=avx2), avx2 with AVX2 and FMA, else None."""
     flags = set(cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma"} <= flags
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags and os.environ.get("MOE_SERVE_KERNEL_ISA") != "avx2":
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else None
+
+
+def cpu_supports_kernels() -> bool:
+    return target_isa() is not None
