@@ -59,9 +59,13 @@ def cpu_extension() -> ModuleType | None:
         return _extension
 
 
+def _avx2_forced() -> bool:
+    return os.environ.get("MOE_SERVE_KERNEL_ISA") == "avx2"
+
+
 def cflags() -> tuple[str, ...]:
     """-march=native: AVX-512 where the CPU has it, else AVX2; MOE_SERVE_KERNEL_ISA=avx2 forces AVX2."""
-    return CFLAGS + ("-mno-avx512f",) if os.environ.get("MOE_SERVE_KERNEL_ISA") == "avx2" else CFLAGS
+    return CFLAGS + ("-mno-avx512f",) if _avx2_forced() else CFLAGS
 
 
 def cache_dir() -> Path:
@@ -135,7 +139,7 @@ def target_isa() -> str | None:
     """The vector instructions csrc/ compiles for here (its #if; `isa()` of the build): avx512 with
     AVX-512 F/BW/VL (unless MOE_SERVE_KERNEL_ISA=avx2), avx2 with AVX2 and FMA, else None."""
     flags = set(cpu_flags().split())
-    if {"avx512f", "avx512bw", "avx512vl"} <= flags and os.environ.get("MOE_SERVE_KERNEL_ISA") != "avx2":
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags and not _avx2_forced():
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else None
 
