@@ -277,7 +277,9 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"- {name}: a 512-token prompt joining 16 decodes: longest step {s['max_join_step_ms']:.1f} ms "
                 f"= {s['stall_in_decode_steps']:.1f} decode steps ({s['decode_step_ms']:.1f} ms), "
-                f"over {s['join_steps']} steps"
+                f"over {s['join_steps']} steps (median of "
+                + " / ".join(f"{r:.1f}" for r in s.get("stall_repetitions", [s["stall_in_decode_steps"]]))
+                + ")"
             )
         kv = m["kv_memory"]
         lines.append(

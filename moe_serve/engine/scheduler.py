@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 
-# Chunks aim this far under the stall bound: a chunk's cost is an estimate (a small chunk's tokens cost
-# more each than the large batches the estimate may come from), and the bound is a promise. At 0.8 the
-# benchmark's joining prompt measured 2.9-3.0 decode steps against a bound of 3: steps ran ~15% over the
-# estimate, so 0.7.
-ROOM_MARGIN = 0.7
+# Chunks aim this far under the stall bound: a chunk's cost is an estimate, and the bound is a promise about
+# the longest step. On the 2-vCPU development VM a plain decode step alone runs 1.2-1.5x its median at the
+# 90th-99th percentile, so the estimate needs that much room: at 0.7 a 512-token prompt joining 16 tiny
+# decodes measured 2.5-3.5 decode steps, repetition to repetition, against the bound of 3.
+ROOM_MARGIN = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +80,27 @@ class SchedulerOutput:
 
 class StepCosts:
     """What steps cost, from measured steps. A decode-only step: measured online. A prefill chunk of n
-    tokens starting at position s: n * (per_token + per_pair * (s + n / 2)), the second term its attention
+    tokens starting at position s: n * per_token + n * (s + n / 2) * per_pair, the second term its attention
     (each token reads s + its index keys). A per-token average alone would let a long prompt's first chunk
-    stall the decodes: its tokens cost more than the short prompts' the average was learned from. The ratio
-    per_pair / per_token (the shape) comes from `calibrate`; measured steps keep the level current."""
+    stall the decodes: its tokens cost more than the short prompts' the average was learned from.
+
+    Both rates are fitted online, by least squares over the measured prefill steps with older steps
+    forgotten (weight FORGET per step), starting from the shape `calibrate` measured at start-up. The
+    start-up shape alone is not enough: it times cache-free prompts from position 0, while a joining
+    prompt's later chunks attend over the paged cache, which costs more per key (tiny benchmark model:
+    calibrated per_pair / per_token ~0.0003, measured ~0.001, and the last chunks of a 512-token prompt
+    ran 10-20% over their estimate)."""
+
+    FORGET = 0.8  # an observation's weight after each newer one (the EMA weight of a new one: 0.2)
+    ANCHOR = 0.01  # pull towards the current rates, relative to the data: the direction the data leave open stays
 
     def __init__(self) -> None:
         self.decode_step: float | None = None  # seconds per step that only decodes
         self.per_token: float | None = None  # seconds per prefilled token, at context 0
         self.pair_ratio = 0.0  # per_pair / per_token
+        # Weighted normal equations of seconds ~ per_token * tokens + per_pair * pairs.
+        self._gram = [[0.0, 0.0], [0.0, 0.0]]
+        self._rhs = [0.0, 0.0]
 
     def calibrate(self, seconds_for: Callable[[int], float], short: int, long: int) -> None:
         """The shape from two timed prompts, `short` and `long` tokens, each from position 0."""
@@ -120,12 +132,31 @@ class StepCosts:
         if decodes and self.decode_step is None:
             return
         prefill_seconds = max(seconds - (self.decode_step if decodes else 0.0), 0.0)
-        units = sum(
-            s.num_tokens * (1.0 + self.pair_ratio * (s.start + s.num_tokens / 2))
-            for s in output.scheduled
-            if not s.is_decode
-        )
-        self.per_token = ema(self.per_token, prefill_seconds / units)
+        chunks = [(s.num_tokens, s.start) for s in output.scheduled if not s.is_decode]
+        self._fit(sum(n for n, _ in chunks), sum(n * (start + n / 2) for n, start in chunks), prefill_seconds)
+
+    def _fit(self, tokens: float, pairs: float, seconds: float) -> None:
+        """Add one step to the forgetting least-squares fit and re-solve for both rates."""
+        x = (tokens, pairs)
+        for i in range(2):
+            self._rhs[i] = self.FORGET * self._rhs[i] + x[i] * seconds
+            for j in range(2):
+                self._gram[i][j] = self.FORGET * self._gram[i][j] + x[i] * x[j]
+        if self.per_token is None:  # no calibration (stateful routers): the first step gives the level
+            self.per_token = seconds / tokens
+        current = (self.per_token, self.per_token * self.pair_ratio)
+        # (G + a D) rates = rhs + a D current, D = diag(G): where the steps so far do not tell the two rates
+        # apart (every chunk at the same context), the rates keep their current split.
+        (g11, g12), (g21, g22) = self._gram
+        d1, d2 = self.ANCHOR * g11, self.ANCHOR * g22
+        a11, a22, r1, r2 = g11 + d1, g22 + d2, self._rhs[0] + d1 * current[0], self._rhs[1] + d2 * current[1]
+        det = a11 * a22 - g12 * g21
+        per_token, per_pair = (r1 * a22 - g12 * r2) / det, (a11 * r2 - g21 * r1) / det
+        if per_pair < 0.0:  # attention never makes tokens cheaper: refit the level alone
+            per_token, per_pair = r1 / a11, 0.0
+        if per_token <= 0.0:  # noise in tiny steps: keep the last positive rates
+            return
+        self.per_token, self.pair_ratio = per_token, per_pair / per_token
 
     def prefill_room(self, max_stall: float, num_decodes: int) -> float | None:
         """Seconds of prefill a step with decodes may spend and stay under max_stall decode steps (None:

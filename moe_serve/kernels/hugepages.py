@@ -1,5 +1,6 @@
 """Host tensors backed by transparent huge pages (2 MiB), for the large tensors a decode step streams: the
-weights and the KV-cache pool.
+weights. (Not the KV-cache pool: it is committed block by block as it fills, and a huge page would commit
+2 MiB at once on the step that first writes it; engine.kv_cache says what that cost.)
 
 A batch-1 decode step reads every weight once, so its speed is the memory bandwidth the kernels reach.
 With 4 KiB pages a 128 MiB weight spans 32,768 pages and the stream takes a TLB miss every 4 KiB; with
@@ -10,8 +11,8 @@ one process.
 Linux only hands huge pages to private anonymous mappings that ask for them (`madvise`, the default
 `transparent_hugepage` mode), which PyTorch's allocator does not do unless THP_MEM_ALLOC_ENABLE is set
 before its first allocation. Elsewhere, or for small tensors, this is plain `torch.empty`. Pages are
-committed on first touch, 2 MiB at a time (a KV block's first write commits its whole huge page; with the
-kernel's default `defrag=madvise` that first fault may compact memory).
+committed on first touch, 2 MiB at a time (with the kernel's default `defrag=madvise` that first fault may
+compact memory).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moe_serve.engine.block_manager import BlockManager
-from moe_serve.engine.scheduler import ROOM_MARGIN, Scheduler, SchedulerConfig
+from moe_serve.engine.scheduler import ROOM_MARGIN, ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 
 BS = 4  # block size
@@ -177,3 +177,40 @@ def test_calibration_recovers_the_cost_shape() -> None:
     costs.calibrate(lambda n: n * (per_token + per_pair * n / 2), 64, 512)
     assert costs.per_token == pytest.approx(per_token) and costs.pair_ratio == pytest.approx(per_pair / per_token)
     assert costs.tokens_within(costs.chunk_seconds(100, 300) * (1 + 1e-9), 300) == 100
+
+
+def _prefill_step(chunks: list[tuple[int, int]]) -> SchedulerOutput:
+    """A step that prefills (tokens, start) chunks of fresh prompts (no decodes)."""
+    out = SchedulerOutput()
+    for i, (n, start) in enumerate(chunks):
+        out.scheduled.append(ScheduledSequence(seq(start + n + 1, name=f"p{i}"), start, n))
+    return out
+
+
+def test_online_fit_learns_the_attention_rate_the_calibration_missed() -> None:
+    """Calibrated as if attention cost nothing, the costs learn its rate from chunks at growing contexts."""
+    from moe_serve.engine.scheduler import StepCosts
+
+    per_token, per_pair = 0.0002, 0.0000004  # true: a token at context 500 costs twice one at context 0
+    costs = StepCosts()
+    costs.calibrate(lambda n: n * per_token, 64, 512)
+    assert costs.pair_ratio == 0.0
+    for start in range(0, 512, 48):
+        seconds = 48 * (per_token + per_pair * (start + 24))
+        costs.observe(_prefill_step([(48, start)]), seconds)
+    truth = 48 * (per_token + per_pair * (600 + 24))
+    assert costs.chunk_seconds(48, 600) == pytest.approx(truth, rel=0.02)
+
+
+def test_online_fit_keeps_its_shape_when_every_chunk_has_the_same_context() -> None:
+    """Steps that cannot tell the two rates apart fit their level; the split between the rates stays bounded
+    (the anchor to the current rates keeps the fit solvable)."""
+    from moe_serve.engine.scheduler import StepCosts
+
+    costs = StepCosts()
+    costs.calibrate(lambda n: n * (0.001 + 0.00002 * n / 2), 64, 512)
+    ratio = costs.pair_ratio
+    for _ in range(20):  # every step: 32 tokens from position 0, twice as slow as calibrated
+        costs.observe(_prefill_step([(32, 0)]), 2 * 32 * (0.001 + 0.00002 * 16))
+    assert ratio / 2 < costs.pair_ratio < ratio * 2
+    assert costs.chunk_seconds(32, 0) == pytest.approx(2 * 32 * (0.001 + 0.00002 * 16), rel=0.02)
