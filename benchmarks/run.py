@@ -88,15 +88,6 @@ def decode_cost(cell: dict[str, list[dict[str, float]]], bytes_per_step: int) ->
     }
 
 
-def throughput(
-    engine: str, model: BenchModel, batches: list[int], reps: int, new_tokens: int, timeout: int
-) -> dict | str:
-    """{batch: min / median / max tok/s} of one engine at the model's own k, or why it could not run."""
-    k = model.config["num_experts_per_tok"]
-    result = run_worker(engine, model, batches, [k], reps, new_tokens, timeout)
-    return {b: summary(r) for b, r in result[str(k)].items()} if isinstance(result, dict) else result
-
-
 def throughput_table(title: str, label: str, cells: dict[str, dict | str]) -> list[str]:
     """Markdown: one row per engine (`throughput` cells), min / median / max per batch."""
     batches = next((list(c) for c in cells.values() if isinstance(c, dict)), [])
@@ -132,14 +123,31 @@ def started() -> str:
 
 
 def throughput_cells(models: dict[str, BenchModel], engines: dict[str, str], args: argparse.Namespace) -> dict:
-    """{model: {label: throughput cell}} for each engine (label -> benchmarks.engines name), printed as run."""
+    """{model: {label: {batch: min / median / max tok/s} or why the engine could not run}} for each engine
+    (label -> benchmarks.engines name) at the model's own k, printed as run. The engines take turns, one
+    repetition each per round (`--reps` rounds, each a fresh worker after its warm-up): a slow minute of this
+    shared VM (runs of 2026-11-25 saw the first worker's minute at half speed) then lands on one repetition
+    of every engine, not on all repetitions of one."""
     batches = [int(b) for b in args.batches.split(",")]
     cells: dict = {}
     for name, model in models.items():
-        for label, engine in engines.items():
-            cell = throughput(engine, model, batches, args.reps, args.new_tokens, args.timeout)
-            cells.setdefault(name, {})[label] = cell
-            print(f"{name} {label}: {cell}", flush=True)
+        k = str(model.config["num_experts_per_tok"])
+        rates: dict[str, dict[str, list[float]] | str] = {}
+        for _ in range(args.reps):
+            for label, engine in engines.items():
+                if isinstance(rates.get(label), str):  # it failed in an earlier round
+                    continue
+                result = run_worker(engine, model, batches, [int(k)], 1, args.new_tokens, args.timeout)
+                if isinstance(result, str):
+                    rates[label] = result
+                    continue
+                for batch, values in result[k].items():
+                    rates.setdefault(label, {}).setdefault(batch, []).extend(values)  # type: ignore[union-attr]
+        for label, cell in rates.items():
+            cells.setdefault(name, {})[label] = (
+                cell if isinstance(cell, str) else {batch: summary(values) for batch, values in cell.items()}
+            )
+            print(f"{name} {label}: {cells[name][label]}", flush=True)
     return cells
 
 
