@@ -3,7 +3,8 @@
     python -m benchmarks.run [--models tiny,medium] [--engines moe-serve,hf,vllm,vllm-eager] [--reps 3]
 
 - greedy tokens/s of moe-serve, Hugging Face transformers `generate` and vLLM (CPU build; compiled and
-  eager) on a tiny and a medium Mixtral-format model, batch 1, 16 and 64, `--reps` runs (min/median/max);
+  eager) on a tiny and a medium Mixtral-format model, batch 1, 16 and 64, `--reps` rounds in which the engines
+  take turns (min/median/max);
 - per-k decode cost on the medium model (ms per token at batch 1, per step at batch 16);
 - the memory-bandwidth roofline (measured copy bandwidth / bytes one batch-1 decode step reads at k) and
   each engine's fraction of it;

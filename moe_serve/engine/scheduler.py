@@ -7,7 +7,7 @@ Policy (vLLM's, with one addition):
   it is recomputed later (its full blocks usually come back from the prefix cache).
 - While decodes run, a prompt's chunk is sized so that the step costs at most `max_join_stall` decode steps
   (StepCosts: seconds per decode step, measured online; a chunk's seconds from its tokens and their
-  attention context, the shape calibrated at start-up and the level measured online), so a long prompt
+  attention context, both rates calibrated at start-up and refitted online), so a long prompt
   joining never stalls the decodes; with nothing decoding, chunks take the whole budget.
 - Classification inputs need their whole input in one step (bidirectional attention): they run when they
   fit the budget and take no KV blocks.
@@ -92,7 +92,7 @@ class StepCosts:
     ran 10-20% over their estimate)."""
 
     FORGET = 0.8  # an observation's weight after each newer one (the EMA weight of a new one: 0.2)
-    ANCHOR = 0.01  # pull towards the current rates, relative to the data: the direction the data leave open stays
+    ANCHOR = 0.01  # pull towards the current rates, relative to the data's own weight
 
     def __init__(self) -> None:
         self.decode_step: float | None = None  # seconds per step that only decodes
@@ -146,7 +146,8 @@ class StepCosts:
             self.per_token = seconds / tokens
         current = (self.per_token, self.per_token * self.pair_ratio)
         # (G + a D) rates = rhs + a D current, D = diag(G): where the steps so far do not tell the two rates
-        # apart (every chunk at the same context), the rates keep their current split.
+        # apart (every chunk at the same context), the rates stay near the current ones instead of
+        # swinging along the line the data leave open.
         (g11, g12), (g21, g22) = self._gram
         d1, d2 = self.ANCHOR * g11, self.ANCHOR * g22
         a11, a22, r1, r2 = g11 + d1, g22 + d2, self._rhs[0] + d1 * current[0], self._rhs[1] + d2 * current[1]
