@@ -43,7 +43,8 @@ def join_stall(
             timed.append(time.perf_counter() - start)
         decode_step = statistics.median(timed)
         prompt = [rng.randrange(257) for _ in range(long_prompt)]
-        long_params = SamplingParams(max_tokens=8, temperature=0)  # decoding past its prompt: counted while it fills
+        # Not 1 token: a finished sequence frees its blocks and resets num_computed_tokens, which the loop reads.
+        long_params = SamplingParams(max_tokens=8, temperature=0)
         (seq,) = engine.add_request(f"long{rep}", engine.inputs.generation_request(prompt, long_params))
         joined = []
         while seq.num_computed_tokens < long_prompt:
