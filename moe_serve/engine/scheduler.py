@@ -98,9 +98,9 @@ class StepCosts:
         self.decode_step: float | None = None  # seconds per step that only decodes
         self.per_token: float | None = None  # seconds per prefilled token, at context 0
         self.pair_ratio = 0.0  # per_pair / per_token
-        # Weighted normal equations of seconds ~ per_token * tokens + per_pair * pairs.
-        self._gram = [[0.0, 0.0], [0.0, 0.0]]
-        self._rhs = [0.0, 0.0]
+        # Forgetting sums of the normal equations of seconds ~ per_token * tokens + per_pair * pairs:
+        # tokens^2, tokens * pairs, pairs^2, tokens * seconds, pairs * seconds.
+        self._sums = [0.0] * 5
 
     def calibrate(self, seconds_for: Callable[[int], float], short: int, long: int) -> None:
         """The shape from two timed prompts, `short` and `long` tokens, each from position 0."""
@@ -137,22 +137,19 @@ class StepCosts:
 
     def _fit(self, tokens: float, pairs: float, seconds: float) -> None:
         """Add one step to the forgetting least-squares fit and re-solve for both rates."""
-        x = (tokens, pairs)
-        for i in range(2):
-            self._rhs[i] = self.FORGET * self._rhs[i] + x[i] * seconds
-            for j in range(2):
-                self._gram[i][j] = self.FORGET * self._gram[i][j] + x[i] * x[j]
+        terms = (tokens * tokens, tokens * pairs, pairs * pairs, tokens * seconds, pairs * seconds)
+        self._sums = [self.FORGET * old + new for old, new in zip(self._sums, terms, strict=True)]
         if self.per_token is None:  # no calibration (stateful routers): the first step gives the level
             self.per_token = seconds / tokens
-        current = (self.per_token, self.per_token * self.pair_ratio)
         # (G + a D) rates = rhs + a D current, D = diag(G): where the steps so far do not tell the two rates
         # apart (every chunk at the same context), the rates stay near the current ones instead of
         # swinging along the line the data leave open.
-        (g11, g12), (g21, g22) = self._gram
+        g11, g12, g22, r1, r2 = self._sums
         d1, d2 = self.ANCHOR * g11, self.ANCHOR * g22
-        a11, a22, r1, r2 = g11 + d1, g22 + d2, self._rhs[0] + d1 * current[0], self._rhs[1] + d2 * current[1]
-        det = a11 * a22 - g12 * g21
-        per_token, per_pair = (r1 * a22 - g12 * r2) / det, (a11 * r2 - g21 * r1) / det
+        a11, a22 = g11 + d1, g22 + d2
+        r1, r2 = r1 + d1 * self.per_token, r2 + d2 * self.per_token * self.pair_ratio
+        det = a11 * a22 - g12 * g12
+        per_token, per_pair = (r1 * a22 - g12 * r2) / det, (a11 * r2 - g12 * r1) / det
         if per_pair < 0.0:  # attention never makes tokens cheaper: refit the level alone
             per_token, per_pair = r1 / a11, 0.0
         if per_token <= 0.0:  # noise in tiny steps: keep the last positive rates
