@@ -70,7 +70,7 @@ inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a 
 inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline vf vabs(vf a) { return _mm512_abs_ps(a); }
 inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-inline vf vscale_pow2(vf y, vf n) { return vscale_pow2(y, n); }  // y * 2^n, n integral
+inline vf vscale_pow2(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n, n integral
 inline vf vkeep(mask16 m, vf a) { return _mm512_maskz_mov_ps(m, a); }  // lanes outside m: 0
 inline vf vnegate_where_negative(vf sign_of, vf a) {
   return _mm512_mask_sub_ps(a, _mm512_cmp_ps_mask(sign_of, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), a);
