@@ -6,6 +6,7 @@ the server), so that what a kill interrupts is only what was in flight."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
@@ -28,6 +29,7 @@ REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
     "/v1/classify": p.ClassifyRequest,
     "/v1/score": p.ScoreRequest,
 }
+logger = logging.getLogger("moe_serve.batch")
 OVERLOAD_PAUSE = 0.2  # seconds an item refused by a full engine queue waits before it is tried again
 
 
@@ -56,7 +58,8 @@ class LineError(Exception):
 async def answer(models: LineModels, item: BatchItem) -> LineResult:
     """One item's result: the response body as HTTP would give it, or its error envelope. A full engine
     queue (EngineOverloadedError) and a stopping engine (EngineStoppedError) are raised instead: they say
-    nothing about the line, which is to run later."""
+    nothing about the line, which is to run later. An unexpected failure of the line's own (a bug) is that
+    line's error, a 500 as HTTP would answer it, logged: it never stops the other lines."""
     body = dict(item.body)
     if item.k is not None:
         body["experts_per_token"] = item.k
@@ -72,6 +75,9 @@ async def answer(models: LineModels, item: BatchItem) -> LineResult:
         return error_result(item, exc.error)
     except (MoEServeError, pydantic.ValidationError) as exc:
         return error_result(item, api_error(exc))
+    except Exception as exc:
+        logger.exception("batch line %d (%s) failed", item.line, item.line_id)
+        return error_result(item, api_error(exc, request_id=item.line_id))
 
 
 async def _run(

@@ -20,7 +20,7 @@ from moe_serve.batch.jsonl import BatchItem, LineResult, append, completed_ids, 
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.errors import MoEServeError, ValidationError
-from moe_serve.exporters.onnx.cache import servable
+from moe_serve.exporters.onnx.cache import load_servable
 from moe_serve.registry import bundled_models
 from moe_serve.validation import check_int
 
@@ -51,8 +51,7 @@ class EnginePool:
 
     def get(self, name: str) -> AsyncEngine:
         if name not in self._engines:
-            model = servable(name, self.engine_config)  # --backend onnxruntime: the cached ONNX export
-            self._engines[name] = AsyncEngine.load(model, self.engine_config)
+            self._engines[name] = AsyncEngine.start(load_servable(name, self.engine_config), self.engine_config)
         return self._engines[name]
 
     def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:

@@ -9,10 +9,10 @@ before the row that names them, and bytes without a row (a kill in between) are 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
-import shutil
 import sqlite3
 import threading
 import time
@@ -28,6 +28,8 @@ from moe_serve.errors import NotFoundError, UnavailableError, ValidationError
 DATABASE = "batches.sqlite3"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 PAGE = 1000  # result rows read at a time while finalizing (the lock is released between pages)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+SQLITE_FULL = 13  # "database or disk is full"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
@@ -88,17 +90,71 @@ class BatchRecord:
         return self.status not in UNFINISHED
 
 
+class StorageError(UnavailableError):
+    """The data dir cannot be read or written now (a full disk, an I/O error, a read-only or unusable dir, a
+    corrupt database): a 503 naming the data dir (507 when it is full), and for the batch worker a pause
+    before the step is tried again, never a reason to fail a batch. `is_full`: no space (or quota) left."""
+
+    def __init__(self, message: str, *, is_full: bool = False, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.is_full = is_full
+        self.parameter = parameter
+
+
+class QuotaError(StorageError):
+    """An upload would take the stored files past --max-stored-bytes (507 naming the quota)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, is_full=True, parameter="file")
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether `exc` is the data dir failing (an OSError; sqlite3's full disk, I/O error, locked, read-only or
+    corrupt database), not a bug (a misused connection, a broken constraint) nor a request's fault."""
+    if isinstance(exc, StorageError | OSError | sqlite3.OperationalError):
+        return True
+    return type(exc) is sqlite3.DatabaseError  # "file is not a database", "database disk image is malformed"
+
+
+def storage_error(exc: BaseException, data_dir: Path, doing: str) -> StorageError:
+    """`exc` (an OSError or sqlite3.Error) as the StorageError a client and the worker see."""
+    if isinstance(exc, StorageError):
+        return exc
+    is_full = (isinstance(exc, OSError) and exc.errno in FULL_ERRNOS) or (
+        isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL
+    )
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if is_full:
+        reason = "no space left on the device"
+    return StorageError(f"the Batch API's data dir {data_dir} cannot be used ({doing}): {reason}", is_full=is_full)
+
+
 class Store:
     def __init__(self, data_dir: Path, clock: Callable[[], float] = time.time) -> None:
+        """Open (creating) the data dir. Raises UnavailableError when another server holds it, StorageError
+        when it cannot be used (not a directory, read-only, a corrupt database); the lock is then released."""
         self.data_dir = data_dir
         self.files_dir = data_dir / "files"
         self.clock = clock
+        self._lock_file: BinaryIO | None = None
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._open()
+        except BaseException as exc:
+            self._release()  # the lock too: another try (or server) may open the data dir once it is fixed
+            if is_storage_error(exc):
+                raise storage_error(exc, data_dir, "opening it") from exc
+            raise
+
+    def _open(self) -> None:
+        data_dir = self.data_dir
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115  # held open: the lock lives with it
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_file.close()
+            self._lock_file = None
             raise UnavailableError(
                 f"the data dir {data_dir} is in use by another moe-serve server; give each server its own --data-dir"
             ) from None
@@ -111,49 +167,107 @@ class Store:
         self._mutex = threading.RLock()  # the event loop and the finalizing thread share the connection
         self._remove_orphans()
 
+    def _release(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = None
+        if self._lock_file is not None:
+            with contextlib.suppress(OSError):
+                self._lock_file.close()  # the flock goes with the descriptor
+            self._lock_file = None
+
     def close(self) -> None:
         with self._mutex:
-            self._db.close()
-        self._lock_file.close()
+            self._release()
+
+    @contextlib.contextmanager
+    def _io(self, doing: str) -> Iterator[None]:
+        """The data dir's own failures (OSError, sqlite3.Error) as StorageError naming it."""
+        try:
+            yield
+        except (OSError, sqlite3.DatabaseError) as exc:
+            if not is_storage_error(exc):
+                raise
+            raise storage_error(exc, self.data_dir, doing) from exc
 
     def now(self) -> int:
         return int(self.clock())
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._mutex:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._mutex, self._io("writing its database"):
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
+                yield db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if db.in_transaction:  # sqlite may have rolled back already (a full disk, an I/O error)
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error:
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                raise
 
     def _query(self, sql: str, *args: Any) -> list[sqlite3.Row]:
-        with self._mutex:
-            return self._db.execute(sql, args).fetchall()
+        with self._mutex, self._io("reading its database"):
+            return self._connection().execute(sql, args).fetchall()
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StorageError(f"the Batch API's data dir {self.data_dir} is closed")
+        return self._db
 
     def _remove_orphans(self) -> None:
-        known = {row["id"] for row in self._query("SELECT id FROM files")}
+        known = {row["id"] for row in self._db.execute("SELECT id FROM files").fetchall()}
         for path in self.files_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)
 
+    def stored_bytes(self) -> int:
+        """The bytes of every stored file (uploads and batch outputs): what --max-stored-bytes bounds."""
+        (row,) = self._query("SELECT coalesce(sum(bytes), 0) AS n FROM files")
+        return int(row["n"])
+
     # ---- files ----------------------------------------------------------------------------------
 
-    def add_file(self, source: BinaryIO, filename: str, purpose: str) -> FileRecord:
-        """Copy an upload into the data dir (blocking: the server calls this in a thread)."""
+    def add_file(
+        self, source: BinaryIO, filename: str, purpose: str, *, max_stored_bytes: int | None = None
+    ) -> FileRecord:
+        """Copy an upload into the data dir (blocking: the server calls this in a thread). Nothing of it is
+        left behind when it fails: QuotaError when the stored files would pass `max_stored_bytes`,
+        StorageError when the data dir fails (a full disk)."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        path = self.files_dir / file_id
-        with open(path.with_suffix(".part"), "wb") as out:
-            shutil.copyfileobj(source, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        path.with_suffix(".part").rename(path)
-        record = FileRecord(file_id, filename, purpose, path.stat().st_size, self.now())
-        with self._transaction() as db:
-            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
+        path, part = self.files_dir / file_id, self.files_dir / f"{file_id}.part"
+        room = None if max_stored_bytes is None else max_stored_bytes - self.stored_bytes()
+        try:
+            with self._io("storing an upload"):
+                size = 0
+                with open(part, "wb") as out:
+                    while chunk := source.read(1 << 20):
+                        size += len(chunk)
+                        if room is not None and size > room:
+                            raise QuotaError(
+                                f"the stored files would pass the data dir's quota, --max-stored-bytes "
+                                f"{max_stored_bytes} bytes ({max(room, 0)} bytes left); delete files to make room"
+                            )
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                part.rename(path)
+                record = FileRecord(file_id, filename, purpose, size, self.now())
+                with self._transaction() as db:
+                    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
+        except BaseException:
+            for leftover in (part, path):
+                with contextlib.suppress(OSError):
+                    leftover.unlink(missing_ok=True)
+            raise
         return record
 
     def get_file(self, file_id: str, parameter: str = "file_id") -> FileRecord:
@@ -189,7 +303,8 @@ class Store:
                     parameter="file_id",
                 )
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-        (self.files_dir / file_id).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the row is gone: bytes left behind are removed at the next open
+            (self.files_dir / file_id).unlink(missing_ok=True)
 
     def _page(self, table: str, order: str, after: str | None) -> tuple[str, list[Any]]:
         """The WHERE clause of a page that starts after the row `after` (a cursor: its id)."""
@@ -278,46 +393,66 @@ class Store:
             _insert_results(db, batch_id, results)
             return True
 
+    def give_up(self, batch_id: str, results: list[LineResult], errors: dict[str, Any]) -> bool:
+        """An in-progress batch the server gave up on: the lines not answered get `results` (batch_failed)
+        and the batch finalizes as failed, with `errors` saying why (one transaction, as expire)."""
+        with self._transaction() as db:
+            columns = {"outcome": "failed", "errors": errors}
+            if not self._transition(db, batch_id, "finalizing", ("in_progress",), columns):
+                return False
+            _insert_results(db, batch_id, results)
+            return True
+
     def done_lines(self, batch_id: str) -> set[int]:
         return {row["line"] for row in self._query("SELECT line FROM results WHERE batch_id = ?", batch_id)}
 
     def finalize(self, batch_id: str) -> BatchRecord:
         """Write the output file (lines answered 200) and the error file (the others), in input order, and
-        move the batch to its outcome (blocking: the server calls this in a thread)."""
+        move the batch to its outcome (blocking: the server calls this in a thread). When it fails (a full
+        disk: StorageError) nothing of it is left behind and the batch is still finalizing, to try again."""
         batch = self.get_batch(batch_id)
         assert batch.outcome is not None and batch.status in ("finalizing", "cancelling"), batch.status
         written: dict[bool, FileRecord] = {}
         parts = {is_ok: self.files_dir / f"{uuid.uuid4().hex}.part" for is_ok in (True, False)}
+        committed = False
         try:
-            with open(parts[True], "wb") as ok_out, open(parts[False], "wb") as error_out:
-                last = 0
-                while rows := self._query(
-                    "SELECT line, is_ok, output FROM results WHERE batch_id = ? AND line > ? ORDER BY line LIMIT ?",
-                    batch_id, last, PAGE,
-                ):  # fmt: skip
-                    for row in rows:
-                        (ok_out if row["is_ok"] else error_out).write(row["output"].encode("utf-8") + b"\n")
-                    last = rows[-1]["line"]
-                for out in (ok_out, error_out):
-                    out.flush()
-                    os.fsync(out.fileno())
-            for is_ok, part in parts.items():
-                size = part.stat().st_size
-                if size:
-                    file_id = f"file-{uuid.uuid4().hex[:24]}"
-                    part.rename(self.files_dir / file_id)
-                    name = f"{batch_id}_{'output' if is_ok else 'error'}.jsonl"
-                    written[is_ok] = FileRecord(file_id, name, "batch_output", size, self.now())
+            with self._io("writing a batch's output files"):
+                with open(parts[True], "wb") as ok_out, open(parts[False], "wb") as error_out:
+                    last = 0
+                    while rows := self._query(
+                        "SELECT line, is_ok, output FROM results WHERE batch_id = ? AND line > ? ORDER BY line "
+                        "LIMIT ?",
+                        batch_id, last, PAGE,
+                    ):  # fmt: skip
+                        for row in rows:
+                            (ok_out if row["is_ok"] else error_out).write(row["output"].encode("utf-8") + b"\n")
+                        last = rows[-1]["line"]
+                    for out in (ok_out, error_out):
+                        out.flush()
+                        os.fsync(out.fileno())
+                for is_ok, part in parts.items():
+                    size = part.stat().st_size
+                    if size:
+                        file_id = f"file-{uuid.uuid4().hex[:24]}"
+                        name = f"{batch_id}_{'output' if is_ok else 'error'}.jsonl"
+                        written[is_ok] = FileRecord(file_id, name, "batch_output", size, self.now())
+                        part.rename(self.files_dir / file_id)
+            output, errors = written.get(True), written.get(False)
+            with self._transaction() as db:  # the files and the batch's new state together, or neither
+                for record in written.values():
+                    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
+                columns = {
+                    "output_file_id": output.id if output else None,
+                    "error_file_id": errors.id if errors else None,
+                }
+                if not self._transition(db, batch_id, batch.outcome, ("finalizing", "cancelling"), columns):
+                    raise RuntimeError(f"batch {batch_id} left {batch.status} while it was finalized")  # rolled back
+            committed = True
         finally:
-            for part in parts.values():
-                part.unlink(missing_ok=True)
-        output, errors = written.get(True), written.get(False)
-        with self._transaction() as db:  # the files and the batch's new state together, or neither
-            for record in written.values():
-                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
-            columns = {"output_file_id": output.id if output else None, "error_file_id": errors.id if errors else None}
-            if not self._transition(db, batch_id, batch.outcome, ("finalizing", "cancelling"), columns):
-                raise RuntimeError(f"batch {batch_id} left {batch.status} while it was finalized")  # rolled back
+            leftovers = list(parts.values()) + ([] if committed else [self.files_dir / r.id for r in written.values()])
+            for path in leftovers:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         return self.get_batch(batch_id)
 
 

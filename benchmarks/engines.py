@@ -27,10 +27,10 @@ Runner = Callable[[list[list[int]], int, int], None]  # (prompts, k, new_tokens)
 
 def moe_serve_runner(model_dir: str, max_batch: int, backend: str = "torch") -> Runner:
     from moe_serve import LLM, EngineConfig, SamplingParams
-    from moe_serve.exporters.onnx.cache import servable
+    from moe_serve.exporters.onnx.cache import load_servable
 
     config = EngineConfig(max_num_seqs=max_batch, backend=backend)
-    llm = LLM(servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
+    llm = LLM(load_servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
 
     def run(prompts: list[list[int]], k: int, new_tokens: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)

@@ -17,6 +17,19 @@ from moe_serve.artifact import load_artifact
 from moe_serve.engine.llm_engine import LLMEngine
 
 
+def serve_in_thread(app) -> tuple:
+    """A real uvicorn server for `app` on 127.0.0.1 (a free port), running in a daemon thread -> (server,
+    thread, port); stop it with `server.should_exit = True` and `thread.join()`."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
 def join_stall(
     artifact_dir: Path, decodes: int = 16, long_prompt: int = 512, threads: int = 2, repetitions: int = 3
 ) -> dict[str, float | list[float]]:
@@ -78,19 +91,12 @@ def kv_memory(artifact_dir: Path, budget: int) -> dict[str, int]:
 def concurrent_vs_sequential(artifact_dir: Path, requests: int = 64, max_tokens: int = 32) -> dict[str, float]:
     """The same mixed-length requests through a real uvicorn server: one at a time, then all at once."""
     import httpx
-    import uvicorn
 
     from moe_serve.server.app import create_app
     from moe_serve.server.settings import ServerSettings
 
     settings = ServerSettings(models=(str(artifact_dir),), port=0, engine=EngineConfig(max_num_seqs=requests))
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server, thread, port = serve_in_thread(create_app(settings))
     rng = random.Random(1)
     bodies = [
         {

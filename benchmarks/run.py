@@ -1,4 +1,5 @@
-"""The side-by-side benchmark (DESIGN §10), one command, every engine in the same run on the same machine:
+"""The side-by-side benchmark (docs/architecture.md §10), one command, every engine in the same run on the same
+machine:
 
     python -m benchmarks.run [--models tiny,medium] [--engines moe-serve,hf,vllm,vllm-eager] [--reps 3]
 

@@ -40,11 +40,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from moe_serve.exporters.onnx.cache import servable
+    from moe_serve.exporters.onnx.cache import load_servable
     from moe_serve.llm import LLM
 
     config = from_options(EngineConfig, args)
-    llm = LLM(servable(args.model, config), config)
+    llm = LLM(load_servable(args.model, config), config)
     outputs = llm.generate(args.prompt, from_options(SamplingParams, args))
     data = [
         {
@@ -81,11 +81,11 @@ def score(args: argparse.Namespace) -> int:
 
 def _pooling(args: argparse.Namespace, describe: Any) -> int:
     """classify or score (args.command) each text; one line per text: describe(result), then the text."""
-    from moe_serve.exporters.onnx.cache import servable
+    from moe_serve.exporters.onnx.cache import load_servable
     from moe_serve.llm import LLM
 
     config = from_options(EngineConfig, args)
-    llm = LLM(servable(args.model, config), config)
+    llm = LLM(load_servable(args.model, config), config)
     results = getattr(llm, args.command)(args.texts, experts_per_token=args.experts_per_token)
     pairs = list(zip(args.texts, results, strict=True))
     _emit(
@@ -209,10 +209,11 @@ def _stored_quality(args: argparse.Namespace) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    from moe_serve.engine.backend import backend_for
     from moe_serve.evaluation.plot import plot
     from moe_serve.evaluation.runner import evaluate as run_eval
     from moe_serve.evaluation.table import format_table, write_csv
-    from moe_serve.exporters.onnx.cache import servable
+    from moe_serve.exporters.onnx.cache import load_servable
     from moe_serve.llm import LLM
     from moe_serve.moe_policy import MoEPolicy
     from moe_serve.quality import QUALITY_FILE
@@ -227,14 +228,14 @@ def evaluate(args: argparse.Namespace) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     rows, written = [], {}
     config = from_options(EngineConfig, args)
-    if args.write_artifact and config.backend != "torch":
+    if args.write_artifact and backend_for(config).opens_onnx_exports:
         raise ValidationError(
             f"--write-artifact writes the artifact's quality.json, but --backend {config.backend} evaluates an "
             "export of it: evaluate with the torch backend to write the artifact's table",
             parameter="write_artifact",
         )
     for model in args.models:
-        llm = LLM(servable(model, config), config)
+        llm = LLM(load_servable(model, config), config)
         moe = llm.config.moe
         ks = requested or sorted(
             {k for k in (1, 2, 4, 8, 16, 32, 64) if moe and k <= moe.max_k} | {moe.max_k if moe else 1}

@@ -1,4 +1,4 @@
-"""The one parser of `moe-serve` (DESIGN §11): every command, its options derived from the config
+"""The one parser of `moe-serve` (docs/architecture.md §11): every command, its options derived from the config
 dataclasses. Every command that reports data takes --json and then prints one JSON document."""
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ import torch
 from torch.nn import functional as F
 
 from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions, TrainingCheckpoint, write
-from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
+from moe_serve.layers.routers import router_config
+from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
 _SMEAR_FOLD = "router-weight LayerNorm folded into the router weight; adapters re-laid out [N, out, in]"
@@ -38,15 +39,15 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
     n = ckpt.hyper("num_experts")
     if method == "smear":
         expert = FFNConfig("adapter", ckpt.hyper("d_expert"), "silu")
-        router = RouterConfig("soft_merge", input_norm="layernorm")
+        router = router_config("soft_merge", input_norm="layernorm")
         k = ExpertsPerToken(default=n, min=1, max=n)  # soft_merge's own rule flags k < N
     elif method == "switch":  # SMEAR's router and adapters, each example's argmax adapter x p_max
         expert = FFNConfig("adapter", ckpt.hyper("d_expert"), "silu")
-        router = RouterConfig("example_topk", input_norm="layernorm")
+        router = router_config("example_topk", input_norm="layernorm")
         k = ExpertsPerToken(default=1, min=1, max=n, validated=(1,))
     else:
         expert = FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True)
-        router = RouterConfig("topk_uniform" if method == "moesart" else "topk_softmax", use_bias=True)
+        router = router_config("topk_uniform" if method == "moesart" else "topk_softmax", use_bias=True)
         trained = ckpt.hyper("k")
         k = ExpertsPerToken(default=trained, min=1, max=n, validated=(trained,))
     layers = ckpt.hyper("n_layer")

@@ -25,7 +25,8 @@ from moe_serve.exporters.base import (
     read_json,
     write,
 )
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RopeScaling, RouterConfig
+from moe_serve.layers.routers import router_config
+from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RopeScaling
 from moe_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def convert_config(
         num_experts=num_experts,
         layers=_moe_layers(hf, arch),
         expert=FFNConfig("glu", hf[arch.expert_size_key], activation),
-        router=RouterConfig("topk_softmax", normalize=bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob))),
+        router=router_config("topk_softmax", normalize=bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob))),
         experts_per_token=ExpertsPerToken(default=hf["num_experts_per_tok"], min=1, max=num_experts),
         shared_expert=shared,
         shared_expert_gate=shared is not None,

@@ -22,8 +22,9 @@ import torch
 from torch.nn import functional as F
 
 from moe_serve.exporters.base import DEFAULT_OPTIONS, ExportError, ExportOptions, TrainingCheckpoint, write
+from moe_serve.layers.routers import RouterConfig, router_config
 from moe_serve.layers.routers.hyper_expert import selected_sets
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
+from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 
 METHODS = {
@@ -46,7 +47,7 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
             num_experts=ckpt.hyper("num_experts"),
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
-            router=RouterConfig("hyper_expert", normalize=False),  # Switch: p_e, not renormalised
+            router=router_config("hyper_expert", normalize=False),  # Switch: p_e, not renormalised
             experts_per_token=ExpertsPerToken(default=k, min=k, max=k),
             hyper_expert=FFNConfig("adapter", ckpt.hyper("adapter_dim"), "relu", use_bias=True),
         )
@@ -56,7 +57,7 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
             num_experts=n,
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
-            router=graph_router(ckpt, method) or RouterConfig("topk_softmax", normalize=True, use_bias=True),
+            router=graph_router(ckpt, method) or router_config("topk_softmax", normalize=True, use_bias=True),
             # The training schedule ends at top_k_max: that is the trained k. It ran every k from top_k_min
             # up; below it results are flagged approximate (graph routers: their kind's rule, K_train only).
             experts_per_token=ExpertsPerToken(
@@ -93,10 +94,10 @@ def graph_router(ckpt: TrainingCheckpoint, method: str) -> RouterConfig | None:
     """Graph-of-tokens routing folds nothing (no new parameters; W_s = I): the kind and its settings are
     recorded, and for attention the h* each MoE layer calibrated after training (policy A)."""
     if method == "similarity":
-        return RouterConfig("similarity", use_bias=True, tau=float(ckpt.hyper("graph_tau")))
+        return router_config("similarity", use_bias=True, tau=float(ckpt.hyper("graph_tau")))
     if method == "attention":
         heads = tuple(int(ckpt.get(f"layers.{i}.pos_ff.head", ())) for i in ckpt.hyper("moe_index"))
-        return RouterConfig("attention", use_bias=True, sigma=float(ckpt.hyper("graph_sigma")), heads=heads)
+        return router_config("attention", use_bias=True, sigma=float(ckpt.hyper("graph_sigma")), heads=heads)
     return None
 
 

@@ -1,4 +1,4 @@
-"""The serving artifact (DESIGN §2, docs/artifact-format.md): save, validate, load.
+"""The serving artifact (docs/architecture.md §2, docs/artifact-format.md): save, validate, load.
 
 A directory with config.json, model.safetensors, tokenizer.json and optionally quality.json. Loading
 checks everything before any weight is used and raises ArtifactError with one message naming the
@@ -28,8 +28,9 @@ from moe_serve.models import MoETransformer
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
 
-if TYPE_CHECKING:  # onnxruntime is an extra, imported only when a graph is opened
-    from moe_serve.onnx_model import OnnxModel
+if TYPE_CHECKING:  # the engine imports this module; the artifact names its types only to make a runner
+    from moe_serve.engine.kv_cache import CacheShape
+    from moe_serve.engine.runner import Runner
 
 FORMAT = "moe-serve"
 FORMAT_VERSION = 1
@@ -43,20 +44,30 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 @dataclass(slots=True)
 class Artifact:
-    """A loaded artifact: the model (eval mode, on its device) and everything needed to serve it. Served by
-    onnxruntime (moe_serve.engine.backend), `model` is None and `onnx` is the opened graph instead."""
+    """A loaded artifact: the model (eval mode, on its device) and everything needed to serve it; what the
+    torch backend serves (an engine.runner.LoadedModel)."""
 
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
-    model: MoETransformer | None
+    model: MoETransformer
     provenance: dict[str, Any] = field(default_factory=dict)
     quality: QualityTable | None = None
-    onnx: OnnxModel | None = None
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's activations and KV cache."""
+        return self.model.embed_tokens.weight.dtype
+
+    def make_runner(self, device: torch.device, cache_shape: CacheShape) -> Runner:
+        # Imported here: the artifact is read and written without an engine (exporters, `moe-serve inspect`).
+        from moe_serve.engine.model_runner import TorchRunner
+
+        return TorchRunner(self.model, device, cache_shape, self.dtype)
 
 
 def sha256_file(path: Path) -> str:
@@ -69,7 +80,7 @@ def sha256_file(path: Path) -> str:
 
 def is_router_tensor(name: str) -> bool:
     """Router weights (the router linear and SMEAR's router input norm) are stored and loaded in fp32
-    whatever the dtype of the rest (DESIGN section 3: bf16 rounding flips top-k sets)."""
+    whatever the dtype of the rest (docs/architecture.md §3: bf16 rounding flips top-k sets)."""
     return ".moe.router." in name or ".moe.router_norm." in name
 
 

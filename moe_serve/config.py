@@ -43,6 +43,28 @@ class EngineConfig:
     max_join_stall: float = option(
         3.0, "while sequences decode, a step that prefills a prompt chunk costs at most this many decode steps"
     )
+    long_prefill_threshold: int = option(
+        512,
+        "a prompt (or scored or classified input) of more tokens than this is long while it is prefilled (see "
+        "--max-long-prefills, --long-prefill-chunk)",
+    )
+    long_prefill_chunk: int = option(
+        128,
+        "a long prompt's chunk per step: at most this many tokens and, deeper in the prompt, at most what this many "
+        "cost from its start (beside decodes, the join-stall bound), so that steps stay short and a newly arrived "
+        "request waits at most one short step",
+    )
+    long_prefill_alone_ms: float = option(
+        200.0,
+        "when long prompts are all the engine runs (bulk scoring), a step's chunk may cost this many ms (by the "
+        "measured costs) instead of --long-prefill-chunk tokens: throughput as without the limits, and a request "
+        "arriving meanwhile waits at most this long for the step in flight",
+    )
+    max_long_prefills: int = option(
+        1,
+        "long prompts prefilled at once; more wait while shorter requests queued behind them are admitted (a "
+        "16-input /v1/score cannot hold a short completion back)",
+    )
     max_waiting: int = option(256, "requests queued per model before new ones are refused with 429")
     target_itl_ms: float | None = option(
         None,
@@ -54,11 +76,25 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "kv_cache_memory"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "block_size",
+            "kv_cache_memory",
+            "long_prefill_threshold",
+            "long_prefill_chunk",
+            "max_long_prefills",
+        ):
             check_int(name, getattr(self, name), 1)
         for name in ("max_model_len", "kv_cache_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
+        if not self.long_prefill_alone_ms >= 0.0:
+            raise ValidationError(
+                f"long_prefill_alone_ms must be at least 0, got {self.long_prefill_alone_ms}",
+                parameter="long_prefill_alone_ms",
+            )
         if not self.max_join_stall >= 1.0:
             raise ValidationError(
                 f"max_join_stall must be at least 1, got {self.max_join_stall}", parameter="max_join_stall"
@@ -100,7 +136,22 @@ class RequestLimits:
     max_tokens_cap: int = option(4096, "the largest max_tokens a request may ask for")
     max_prompts: int = option(256, "prompts in one completion request")
     max_inputs: int = option(256, "inputs in one classify or score request")
+    max_request_tokens: int = option(
+        262144,
+        "a request's total work: the tokens of all its prompts (completions) or inputs (classify, score) together",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens_cap", "max_prompts", "max_inputs"):
+        for name in ("max_tokens_cap", "max_prompts", "max_inputs", "max_request_tokens"):
             check_int(name, getattr(self, name), 1)
+
+    def check_work(self, token_counts: list[int], parameter: str) -> None:
+        """Refuse (400, naming `parameter`) a request whose prompts or inputs hold more than
+        `max_request_tokens` tokens together."""
+        total = sum(token_counts)
+        if total > self.max_request_tokens:
+            raise ValidationError(
+                f"{parameter} has {len(token_counts)} item(s) of {total} tokens in all; at most "
+                f"{self.max_request_tokens} tokens per request (max_request_tokens, --max-request-tokens)",
+                parameter=parameter,
+            )

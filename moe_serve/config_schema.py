@@ -17,7 +17,10 @@ from moe_serve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: Any) -> None:
+    """value must be one of `choices`: a tuple of names, or a Literal type (the one spelling of an enumeration)."""
+    if typing.get_origin(choices) is typing.Literal:
+        choices = typing.get_args(choices)
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
@@ -39,6 +42,9 @@ def build(cls: type, data: Any, where: str) -> Any:
     ConfigError naming it, never a crash later."""
     if isinstance(data, cls):
         return data
+    variant = getattr(cls, "config_variant", None)
+    if variant is not None:  # a family of configs told apart by a field (a router kind's own settings)
+        cls, data = variant(data, where)
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be an object; got {_json_type(data)}")
     hints = typing.get_type_hints(cls)
@@ -50,7 +56,7 @@ def build(cls: type, data: Any, where: str) -> Any:
     required = [
         f.name
         for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     missing = [name for name in required if name not in kwargs]
     if missing:
@@ -76,7 +82,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
         return tuple(_convert(item, args[0], f"{where}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, where)
     if not _shape_matches(value, hint):
         raise ConfigError(f"{where} must be {_describe(hint)}; got {_shown(value)}")
@@ -95,7 +101,7 @@ def _shape_matches(value: Any, hint: Any) -> bool:
     if origin is typing.Literal:
         return isinstance(value, str)
     if dataclasses.is_dataclass(hint):
-        return isinstance(value, (dict, hint))
+        return isinstance(value, dict) or (isinstance(hint, type) and isinstance(value, hint))
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

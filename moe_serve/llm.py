@@ -10,12 +10,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine import pooling
 from moe_serve.engine.backend import engine_device, load_model
 from moe_serve.engine.inputs import GenerationRequest
 from moe_serve.engine.llm_engine import LLMEngine
+from moe_serve.engine.runner import LoadedModel
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import KSpec, MoEPolicy
@@ -26,7 +26,9 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Load an artifact (a directory, or a bundled demo name) and run it offline.
+    """Load an artifact (a directory, or a bundled demo name; for the onnxruntime backend an export directory)
+    and run it offline, or run a model already loaded for the backend (moe_serve.exporters.onnx.load_servable,
+    which the command line uses, exports an artifact for onnxruntime first).
 
     Example:
         llm = LLM("path/to/artifact")
@@ -34,9 +36,11 @@ class LLM:
                                                    SamplingParams(max_tokens=32, experts_per_token=4)])
     """
 
-    def __init__(self, model: str | Path, engine_config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | Path | LoadedModel, engine_config: EngineConfig | None = None, **kwargs: Any
+    ) -> None:
         self.engine_config = engine_config or EngineConfig(**kwargs)
-        self.artifact: Artifact = load_model(model, self.engine_config)
+        self.artifact = load_model(model, self.engine_config) if isinstance(model, str | Path) else model
         self.config = self.artifact.config
         self.tokenizer = self.artifact.tokenizer
         self.engine = LLMEngine(self.artifact, self.engine_config, engine_device(self.engine_config))
@@ -166,7 +170,7 @@ class LLM:
                     f"experts_per_token has {len(value)} entries for {count} inputs", parameter="experts_per_token"
                 )
             return [self.inputs.resolve(v, policy) for v in value]
-        return [self.inputs.resolve(value, policy)] * count  # type: ignore[arg-type]
+        return [self.inputs.resolve(value, policy)] * count
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

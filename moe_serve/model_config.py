@@ -13,28 +13,19 @@ from typing import Any, Literal
 
 from moe_serve.config_schema import build, check_choice, check_float, check_size, to_jsonable
 from moe_serve.errors import ConfigError
+from moe_serve.layers.norm import NormKind
+from moe_serve.layers.routers import RouterConfig, router_class
 from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 Task = Literal["causal_lm", "sequence_classification"]
 PositionKind = Literal["learned", "rotary", "relative"]
-NormKind = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 Pooling = Literal["mean", "first", "last"]
 QKNorm = Literal["per_head", "full"]
 RopeType = Literal["linear", "yarn"]
-
-TASKS = ("causal_lm", "sequence_classification")
-POSITION_KINDS = ("learned", "rotary", "relative")
-NORM_KINDS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-EXPERT_KINDS = ("mlp", "glu", "adapter")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-POOLINGS = ("mean", "first", "last")
-QK_NORMS = ("per_head", "full")
-ROPE_TYPES = ("linear", "yarn")
 
 
 # Upper bounds on sizes: far above any model served on one machine, and low enough that a corrupted or
@@ -67,31 +58,9 @@ class FFNConfig:
     use_bias: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("ffn kind", self.kind, EXPERT_KINDS)
+        check_choice("ffn kind", self.kind, ExpertKind)
         check_size("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE_SIZE)
-        check_choice("activation", self.activation, ACTIVATIONS)
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """How an MoE layer picks experts and weighs them (DESIGN §3)."""
-
-    kind: str  # a registered router kind (moe_serve.layers.routers)
-    normalize: bool = True  # topk_softmax: softmax over the chosen (True) or full-softmax mass (False)
-    use_bias: bool = False  # router linear bias (HyperRouter's folded b_r)
-    input_norm: NormKind | None = None  # soft_merge: norm applied to the pooled input (SMEAR's LN_in)
-    tau: float = 1.0  # similarity: temperature of the token-similarity softmax (x_i . x_j / tau)
-    sigma: float = 1.0  # attention: width of the likelihood term exp(-||x~_i - W^h x_j||^2 / (2 sigma^2))
-    heads: tuple[int, ...] = ()  # attention: h*, the head each MoE layer routes by (in moe.layers order)
-
-    def __post_init__(self) -> None:
-        from moe_serve.layers.routers import router_kinds  # the registry: every kind with a module
-
-        check_choice("router kind", self.kind, router_kinds())
-        if self.input_norm is not None:
-            check_choice("router input_norm", self.input_norm, NORM_KINDS)
-        check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
-        check_float("router sigma", self.sigma, 0.0, 1e6, low_open=True)
+        check_choice("activation", self.activation, Activation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +70,7 @@ class ExpertsPerToken:
     default: int
     min: int = 1
     max: int | None = None  # None: num_experts
-    # The k this model was trained or validated at (DESIGN section 3): any other allowed k is served but
+    # The k this model was trained or validated at (docs/architecture.md §3): any other allowed k is served but
     # flagged approximate. None: every k (imports, and kinds whose own rule says which k are exact).
     validated: tuple[int, ...] | None = None
 
@@ -145,16 +114,7 @@ class MoEConfig:
             )
         if self.shared_expert_gate and self.shared_expert is None:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_expert")
-        if (self.router.kind == "hyper_expert") != (self.hyper_expert is not None):
-            raise ConfigError("moe.hyper_expert (the HyperMoE adapters) goes with router kind hyper_expert, and only")
-        if self.hyper_expert is not None:
-            if self.hyper_expert.kind != "adapter":
-                raise ConfigError(f"moe.hyper_expert must be an adapter FFN; got kind {self.hyper_expert.kind!r}")
-            if not k.min == k.default == k_max:
-                raise ConfigError(
-                    "a hyper_expert model serves only its trained k (its adapters are keyed by the selected set): "
-                    f"experts_per_token min, default and max must be equal; got {k.min}, {k.default}, {k_max}"
-                )
+        router_class(self.router.kind).check_moe(self)
 
     @property
     def num_patterns(self) -> int:
@@ -177,8 +137,6 @@ class MoEConfig:
     def is_approximate(self, k: int) -> bool:
         """Whether k is one the router kind does not define exactly (soft_merge below N, say), or one this
         model was never validated at (experts_per_token.validated)."""
-        from moe_serve.layers.routers import router_class
-
         validated = self.experts_per_token.validated
         return (validated is not None and k not in validated) or router_class(self.router.kind).is_approximate(
             k, self.num_experts, self.experts_per_token.default
@@ -198,7 +156,7 @@ class ClassifierConfig:
             raise ConfigError(f"classifier.labels must be non-empty strings; got {list(self.labels)[:8]}")
         if len(set(self.labels)) != len(self.labels):
             raise ConfigError(f"classifier.labels must be distinct; got {list(self.labels)[:8]}")
-        check_choice("classifier.pooling", self.pooling, POOLINGS)
+        check_choice("classifier.pooling", self.pooling, Pooling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +175,7 @@ class RopeScaling:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        check_choice("rope_scaling.type", self.type, ROPE_TYPES)
+        check_choice("rope_scaling.type", self.type, RopeType)
         check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
         if self.type == "yarn" and self.original_max_position_embeddings is None:
             raise ConfigError("rope_scaling of type yarn needs original_max_position_embeddings")
@@ -268,7 +226,7 @@ class ModelConfig:
     chat_stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        check_choice("task", self.task, TASKS)
+        check_choice("task", self.task, Task)
         for name, maximum in (
             ("vocab_size", MAX_VOCAB_SIZE),
             ("hidden_size", MAX_HIDDEN_SIZE),
@@ -282,9 +240,9 @@ class ModelConfig:
         check_float("embedding_scale", self.embedding_scale, 0.0, 1e6, low_open=True)
         if self.qkv_clip is not None:
             check_float("qkv_clip", self.qkv_clip, 0.0, 1e6, low_open=True)
-        check_choice("position", self.position, POSITION_KINDS)
-        check_choice("norm", self.norm, NORM_KINDS)
-        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        check_choice("position", self.position, PositionKind)
+        check_choice("norm", self.norm, NormKind)
+        check_choice("norm_position", self.norm_position, NormPosition)
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -294,15 +252,17 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        check_size("head_dim", self.head_dim, MAX_HEAD_DIM)
-        check_size("num_kv_heads", self.num_kv_heads, MAX_HEADS)
-        if self.num_heads % self.num_kv_heads:
+        head_dim, num_kv_heads = self.head_dim, self.num_kv_heads
+        assert head_dim is not None and num_kv_heads is not None  # completed just above
+        check_size("head_dim", head_dim, MAX_HEAD_DIM)
+        check_size("num_kv_heads", num_kv_heads, MAX_HEADS)
+        if self.num_heads % num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.qk_norm is not None:
-            check_choice("qk_norm", self.qk_norm, QK_NORMS)
+            check_choice("qk_norm", self.qk_norm, QKNorm)
         if self.rope_scaling is not None and self.position != "rotary":
             raise ConfigError("rope_scaling needs position rotary")
-        if self.position == "rotary" and self.head_dim % 2:
+        if self.position == "rotary" and head_dim % 2:
             raise ConfigError(f"rotary positions need an even head_dim; got {self.head_dim}")
         if self.moe is not None:
             bad = [i for i in self.moe.layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
@@ -311,20 +271,7 @@ class ModelConfig:
                     f"moe.layers must be distinct layer indices in 0..{self.num_layers - 1}; got "
                     f"{list(self.moe.layers)}"
                 )
-            heads = self.moe.router.heads
-            valid = all(isinstance(h, int) and 0 <= h < self.num_heads for h in heads)
-            if self.moe.router.kind == "attention" and (len(heads) != len(self.moe.layers) or not valid):
-                raise ConfigError(
-                    f"router kind attention needs router.heads: one head in 0..{self.num_heads - 1} per MoE layer "
-                    f"(its h*, in moe.layers order; {len(self.moe.layers)} layers); got {list(heads)}"
-                )
-            from moe_serve.layers.routers import router_class  # the routers import this module
-
-            if router_class(self.moe.router.kind).per_sequence and self.task != "sequence_classification":
-                raise ConfigError(
-                    f"router kind {self.moe.router.kind} decides once per complete input, so it is served for "
-                    f"task sequence_classification only; this config has task {self.task}"
-                )
+            router_class(self.moe.router.kind).check_model(self)
         if self.task == "sequence_classification":
             if self.classifier is None:
                 raise ConfigError("task sequence_classification needs a classifier section with labels")
@@ -394,19 +341,12 @@ class ModelConfig:
         return self.moe is not None and any(self.moe.is_approximate(n) for n in range(spec.lowest, spec.k + 1))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, data: Any) -> ModelConfig:
+        """Parsed JSON (anything: a non-object is one ConfigError) -> the config."""
         return build(cls, data, "model")
 
     def to_dict(self) -> dict[str, Any]:
         return to_jsonable(dataclasses.asdict(self))
 
 
-__all__ = [
-    "ClassifierConfig",
-    "ExpertsPerToken",
-    "FFNConfig",
-    "ModelConfig",
-    "MoEConfig",
-    "RopeScaling",
-    "RouterConfig",
-]
+__all__ = ["ClassifierConfig", "ExpertsPerToken", "FFNConfig", "ModelConfig", "MoEConfig", "RopeScaling"]

@@ -1,4 +1,4 @@
-"""Adaptive experts per token (DESIGN §3, "beyond the seeds"): a request's `moe` policy, and the k spec the
+"""Adaptive experts per token (docs/architecture.md §3): a request's `moe` policy, and the k spec the
 engine runs every request with.
 
 `MoEPolicy` is what a request asks for, checked on its own (errors name `moe.<field>`); the HTTP schema

@@ -1,4 +1,4 @@
-"""Exported ONNX graphs (`moe-serve export-onnx`, DESIGN §12): their interface, and a small onnxruntime
+"""Exported ONNX graphs (`moe-serve export-onnx`, docs/architecture.md §7): their interface, and a small onnxruntime
 driver that checks each row's k against the model's range and runs the causal LM (prefill, then decode
 with the KV cache) or the classifier. The seed of the onnxruntime runner; onnxruntime is the `onnx` extra
 and is imported only here, when a graph is opened.
@@ -120,6 +120,7 @@ class OnnxModel:
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
         config = self.config
+        assert config.num_kv_heads is not None and config.head_dim is not None  # completed by ModelConfig
         shape = (batch, config.num_kv_heads, 0, config.head_dim)
         return [np.zeros(shape, dtype=np.float32) for _ in range(2 * config.num_layers)]
 

@@ -64,6 +64,7 @@ class SequenceTiming:
 class RequestMetrics:
     arrival_time: float
     sequences: list[SequenceTiming]  # one per completion
+    cached_tokens: int = 0  # of the prompt, whose keys and values came from the prefix cache
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ call without the HTTP layer; errors name the offending parameter."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import AUTO, MoEPolicy
@@ -68,7 +69,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.logit_bias, dict):  # JSON keys are strings: {"50256": -100}
-            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            # Still unchecked: a key that is not a decimal string stays as it is, and verify() refuses it.
+            self.logit_bias = cast(dict[int, float], {_token_key(k): v for k, v in self.logit_bias.items()})
         self.moe = MoEPolicy.of(self.moe)  # a mapping from JSON or Python; checked as it is built
         self.verify()
 

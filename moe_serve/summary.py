@@ -52,8 +52,7 @@ def summarize(path: Path) -> dict[str, Any]:
             "layers": list(moe.layers),
             "num_experts": moe.num_experts,
             "expert": f"{moe.expert.kind} {moe.expert.activation} x{moe.expert.intermediate_size}",
-            "router": moe.router.kind
-            + ("" if moe.router.normalize or moe.router.kind != "topk_softmax" else " (normalize=false)"),
+            "router": moe.router.describe(),
             "experts_per_token": {"default": moe.default_k, "min": moe.min_k, "max": moe.max_k},
             "shared_expert": None
             if moe.shared_expert is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.1) -> d
     return state
 
 
-def create_random_artifact(path: str | Path, config: ModelConfig, seed: int = 0, **save_kwargs) -> Path:
+def create_random_artifact(path: str | Path, config: ModelConfig, seed: int = 0, **save_kwargs: Any) -> Path:
     """Write a random-weight artifact with the byte-level tokenizer (vocab_size must be >= 257)."""
     provenance = {"exporter": "moe_serve.testing.create_random_artifact", "seed": seed}
     return save_artifact(

@@ -95,7 +95,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
 
 def fp32_routing() -> torch.autocast:
-    """Router math stays in fp32 when a recipe trains under bf16 autocast (DESIGN section 3: bf16 rounding
+    """Router math stays in fp32 when a recipe trains under bf16 autocast (docs/architecture.md §3: bf16 rounding
     flips top-k sets); a no-op outside autocast, so eval and the fold tests are unchanged."""
     return torch.autocast("cpu", enabled=False)
 

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from starlette.types import Scope
 
 from moe_serve.engine.async_engine import AsyncEngine
-from moe_serve.exporters.onnx.cache import servable
+from moe_serve.exporters.onnx.cache import load_servable
 from moe_serve.registry import bundled_models
 from moe_serve.server.batches import BatchService
 from moe_serve.server.errors import install_error_handlers
@@ -31,8 +31,8 @@ def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, ServedM
         raise SystemExit("no model given and no bundled demo models found")
     served = {}
     for name in names:
-        model = servable(name, settings.engine)  # --backend onnxruntime: an artifact's cached ONNX export
-        engine = AsyncEngine.load(model, settings.engine, track_expert_load=settings.expert_metrics != "off")
+        model = load_servable(name, settings.engine)
+        engine = AsyncEngine.start(model, settings.engine, track_expert_load=settings.expert_metrics != "off")
         model_name = engine.artifact.name
         metrics.watch(model_name, engine, engine.artifact.quality)
         served[model_name] = ServedModel(model_name, engine.artifact, engine, int(time.time()))

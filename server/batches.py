@@ -1,12 +1,18 @@
 """The Batch API inside the server: the store (moe_serve.batch.store) opened when first used, or at start-up
 when the data dir holds a database (to resume its batches); the worker (moe_serve.batch.jobs) on the event
 loop, its lines answered like HTTP requests on the served models and kept below interactive traffic; and
-what the /v1/files and /v1/batches routes do."""
+what the /v1/files and /v1/batches routes do.
+
+A data dir that cannot be used (not a directory, read-only, a corrupt database, a full disk) is a 503 (507
+when full) naming it on these routes only: the server starts and the models serve regardless, and the store
+is opened again at the next request, so that fixing the data dir needs no restart."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
@@ -17,7 +23,7 @@ from starlette.datastructures import UploadFile
 from moe_serve.api import batches as b
 from moe_serve.batch.jobs import COMPLETION_WINDOWS, BatchJobs, JobConfig
 from moe_serve.batch.jsonl import BatchItem
-from moe_serve.batch.store import DATABASE, BatchRecord, FileRecord, Store
+from moe_serve.batch.store import DATABASE, BatchRecord, FileRecord, Store, storage_error
 from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.errors import UnavailableError, ValidationError
 from moe_serve.server.lifecycle import Lifecycle
@@ -52,17 +58,26 @@ class BatchService:
         self.models = ServedModels(ctx)
         self.lifecycle = lifecycle
         self.config = JobConfig(max_in_flight=ctx.settings.batch_max_in_flight)
+        self.max_stored_bytes = ctx.settings.max_stored_bytes
+        self.storage_errors = ctx.metrics.batch_storage_errors
         self._store: Store | None = None
         self._jobs: BatchJobs | None = None
         self._task: asyncio.Task | None = None
 
     def jobs(self) -> BatchJobs:
         """The worker (and its store), started on first use: a server that never sees a batch never
-        touches its data dir. Raises UnavailableError when another server holds the data dir."""
+        touches its data dir. Raises UnavailableError when another server holds the data dir, StorageError
+        when it cannot be used (tried again at the next call)."""
         if self._jobs is None:
             store = Store(self.data_dir)
             self._store = store
-            self._jobs = BatchJobs(store, self.models, lambda: self.lifecycle.interactive > 0, self.config)
+            self._jobs = BatchJobs(
+                store,
+                self.models,
+                lambda: self.lifecycle.interactive > 0,
+                self.config,
+                on_storage_error=lambda stage: self.storage_errors.labels(stage).inc(),
+            )
             self._task = asyncio.create_task(self._jobs.run(), name="batch-worker")
         return self._jobs
 
@@ -113,7 +128,7 @@ class BatchService:
             if len(filename) > MAX_FILENAME or not filename.isprintable():
                 message = f"the file name must be at most {MAX_FILENAME} printable characters"
                 raise ValidationError(message, parameter="file")
-            add = store.add_file
+            add = functools.partial(store.add_file, max_stored_bytes=self.max_stored_bytes)
             record = await asyncio.get_running_loop().run_in_executor(None, add, upload.file, filename, "batch")
         finally:
             await form.close()
@@ -129,8 +144,11 @@ class BatchService:
 
     def file_content(self, file_id: str) -> StreamingResponse:
         path = self.store.file_path(file_id)
-        source = open(path, "rb")  # noqa: SIM115  # opened now: a delete while it streams cannot cut it
-        headers = {"Content-Length": str(path.stat().st_size)}
+        try:
+            source = open(path, "rb")  # noqa: SIM115  # opened now: a delete while it streams cannot cut it
+            headers = {"Content-Length": str(os.fstat(source.fileno()).st_size)}
+        except OSError as exc:
+            raise storage_error(exc, self.data_dir, "reading a file") from exc
         return StreamingResponse(_chunks(source), media_type="application/octet-stream", headers=headers)
 
     def delete_file(self, file_id: str) -> b.FileDeleted:

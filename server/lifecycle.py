@@ -23,6 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from moe_serve.engine.async_engine import AsyncEngine
+from moe_serve.server.middleware import ConnectionLimitMiddleware
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -132,16 +133,20 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
 def build_server(app: FastAPI, settings: ServerSettings) -> DrainingServer:
     """The uvicorn server `moe-serve serve` runs: draining on signals, bounded connections, header and
     keep-alive timeouts, no uvicorn access log (the application writes its own)."""
+    # The connection limit is ours (the error envelope, Retry-After), not uvicorn's plain-text 503.
+    limited = ConnectionLimitMiddleware(app, settings.max_connections)
     config = uvicorn.Config(
-        app,
+        limited,
         host=settings.host,
         port=settings.port,
         http=header_timeout_protocol(settings.header_timeout),
         log_level=settings.log_level,
         access_log=False,
-        limit_concurrency=settings.max_connections,
+        limit_concurrency=None,  # see ConnectionLimitMiddleware
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout)),
         timeout_graceful_shutdown=round(FLUSH_SECONDS) + 1,  # what is left once the drain is over
     )
     lifecycle: Lifecycle = app.state.lifecycle
-    return DrainingServer(config, lifecycle, app.state.drain)
+    server = DrainingServer(config, lifecycle, app.state.drain)
+    limited.server_state = server.server_state
+    return server

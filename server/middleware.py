@@ -1,5 +1,6 @@
-"""Plain-ASGI middleware (so handlers still see client disconnects), outermost first: request id + access
-log + request counter, admission (draining, concurrency limit), API key, body size limit."""
+"""Plain-ASGI middleware (so handlers still see client disconnects), outermost first: the connection limit
+(around the application, installed by server.lifecycle.build_server), request id + access log + request
+counter, admission (draining, concurrency limit), API key, body size limit."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.server import ServerState
 
 from moe_serve.api.errors import ApiError, api_error
 from moe_serve.errors import ClientDisconnectedError
-from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
-from moe_serve.server.settings import is_api_path, is_interactive_path
+from moe_serve.server.settings import OPEN_PATHS, is_api_path, is_interactive_path
+
+if TYPE_CHECKING:
+    from moe_serve.server.lifecycle import Lifecycle  # which builds the server around these
 
 access_log = logging.getLogger("moe_serve.access")
 logger = logging.getLogger("moe_serve.server")
@@ -47,19 +53,23 @@ class AccessLogMiddleware:
         state = scope.setdefault("state", {})  # what handlers see as request.state
         state["request_id"] = request_id
         start = time.monotonic()
-        status = 0
+        status, complete = 0, False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
-        except ClientDisconnectedError:
-            status = status or 499
+            if status and not complete:  # a response (a stream) that ended before its end: the client left
+                status = 499
+        except (ClientDisconnectedError, ClientDisconnect):  # ours, or Starlette's (a stream written to a gone client)
+            status = 499 if not complete else status
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             if not status:
@@ -83,6 +93,34 @@ class AccessLogMiddleware:
                     }
                 )
             )
+
+
+class ConnectionLimitMiddleware:
+    """uvicorn's `limit_concurrency`, answered in the error envelope: while more than `max_connections`
+    connections are open (idle keep-alive ones and those still sending headers included) or more than that
+    many requests are being handled, a request gets 503 with Retry-After and its connection is closed. The
+    health probes are exempt (a full server is alive). `server_state` is the uvicorn server's (its sets of
+    connections and request tasks), attached once the server exists; until then nothing is refused.
+    Outermost, before the access log: the refusal is cheap, made before the body is read."""
+
+    def __init__(self, app: ASGIApp, max_connections: int, exempt: tuple[str, ...] = OPEN_PATHS) -> None:
+        self.app = app
+        self.max_connections = max_connections
+        self.exempt = exempt
+        self.server_state: ServerState | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.server_state
+        if (
+            scope["type"] == "http"
+            and state is not None
+            and scope["path"] not in self.exempt
+            and max(len(state.connections), len(state.tasks)) > self.max_connections
+        ):
+            message = f"the server has its maximum of {self.max_connections} connections open; retry later"
+            error = ApiError(503, message, "service_unavailable", headers={"Retry-After": "1", "Connection": "close"})
+            return await error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class AdmissionMiddleware:
@@ -121,14 +159,16 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None, open_paths: tuple[str, ...]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, credentials = given.strip().partition(b" ")
+        # The scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key itself is compared exactly.
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(), self.expected):
             message = "missing API key (send Authorization: Bearer <key>)" if not given else "invalid API key"
             error = ApiError(401, message, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
             return await error_response(error)(scope, receive, send)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_serve.api import protocol as p
 from moe_serve.api import responses
@@ -23,8 +23,8 @@ from moe_serve.api.errors import api_error
 from moe_serve.api.prepare import GenerationJob, prepare_chat, prepare_completion, prepare_pooling
 from moe_serve.api.prepare import detokenize as prepare_detokenize
 from moe_serve.api.prepare import tokenize as prepare_tokenize
-from moe_serve.artifact import Artifact
 from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate, SequenceUpdate
+from moe_serve.engine.runner import LoadedModel
 from moe_serve.errors import ClientDisconnectedError, ModelNotFoundError, ValidationError
 from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import ExpertCounts
@@ -38,7 +38,7 @@ K_SUFFIX = ":k"  # "shakespeare-smoe:k1": the model at k = 1
 @dataclass(slots=True)
 class ServedModel:
     name: str
-    artifact: Artifact
+    artifact: LoadedModel
     engine: AsyncEngine
     created: int
 
@@ -83,6 +83,16 @@ class ServingContext:
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
         """Run request preparation in the preparation threads, so the event loop never waits on it."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def respond(self, build: Callable[..., Any], *args: Any) -> JSONResponse:
+        """A response body built and rendered to JSON in the preparation threads: a large one (a long prompt's
+        echo with its logprobs, 16 inputs' token logprobs) must not hold the event loop, and with it /health
+        and every other request. The same JSON that FastAPI renders for the route's response model."""
+
+        def render() -> JSONResponse:
+            return JSONResponse(build(*args).model_dump(mode="json", by_alias=True))
+
+        return await self.prepare(render)
 
     def model(self, name: str | None) -> ServedModel:
         """The served model a request names (a `:k<k>` suffix allowed; `resolve` applies it)."""
@@ -178,6 +188,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
     _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     # Admitted (or refused: 429, 503) before a response starts.
     streams = served.engine.submit(job.requests) if job.generate else []
+    ctx.metrics.count_tokens(served.name, k_label(job.reported_k, job.k), streams)  # as they are generated
     if request.stream:
         tokenizer, sent = served.artifact.tokenizer, collections.Counter()
 
@@ -187,7 +198,8 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
             sent[key] += len(update.text_delta)
             return chunk
 
-        return _event_stream(ctx, served, job, streams, "completions", request.stream_options, http.state, choice)
+        options = request.stream_options
+        return _event_stream(ctx, served, job, streams, "completions", options, http.state, choice, model=request.model)
     results, prompt_scores = await _unless_disconnected(http, job.gather(served.engine, streams))
     label = k_label(job.reported_k, job.k)
     for result in results or []:
@@ -196,7 +208,9 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
         ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = sum(r.num_generated_tokens for r in results or [])
     tokenizer = served.artifact.tokenizer
-    return responses.completion_response(served.name, job, results, tokenizer, prompt_scores=prompt_scores)
+    model = request.model or served.name  # as asked: a `name:k<k>` variant is echoed, not its base
+    # Off the event loop: with echo and logprobs, thousands of tokens and their alternatives to decode.
+    return await ctx.respond(responses.completion_response, model, job, results, tokenizer, None, prompt_scores)
 
 
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
@@ -204,18 +218,20 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
     job = await ctx.prepare(prepare_chat, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
+    ctx.metrics.count_tokens(served.name, k_label(job.reported_k, job.k), streams)  # as they are generated
     if request.stream:
         tokenizer = served.artifact.tokenizer
         choice = lambda _, u: responses.chat_chunk_choice(tokenizer, job, u)  # noqa: E731
         first = responses.chat_role_choices(job.params.n)
-        return _event_stream(ctx, served, job, streams, "chat", request.stream_options, http.state, choice, first)
+        options = request.stream_options
+        return _event_stream(ctx, served, job, streams, "chat", options, http.state, choice, first, request.model)
     result = await _unless_disconnected(http, streams[0].final())
     ctx.metrics.record_generation(
         served.name, "chat", k_label(job.reported_k, job.k), job.prompt_tokens, result.metrics
     )
     ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = result.num_generated_tokens
-    return responses.chat_response(served.name, job, result, served.artifact.tokenizer)
+    return responses.chat_response(request.model or served.name, job, result, served.artifact.tokenizer)
 
 
 def _event_stream(
@@ -228,16 +244,18 @@ def _event_stream(
     state: Any,
     choice: Any,
     first: list | None = None,
+    model: str | None = None,
 ) -> StreamingResponse:
     """SSE for a generation job: a chunk per completion update (choice(prompt index, update) builds its
     choice), usage when asked, errors in-band once the response has started, then [DONE]."""
     kind = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-    header = responses.chunk_header(served.name, kind)
+    header = responses.chunk_header(model or served.name, kind)  # the model as the client named it
 
     async def events() -> AsyncIterator[str]:
         if first:
             yield _sse({**header, "choices": first})
         completion_tokens, experts, label = 0, ExpertCounts(), k_label(job.reported_k, job.k)
+        cached = 0  # prompt tokens the prefix cache served
         try:
             async for prompt_index, update in _merged(streams):
                 for u in update.updates:
@@ -248,9 +266,15 @@ def _event_stream(
                     ctx.metrics.record_generation(served.name, endpoint, label, prompt_tokens, update.metrics)
                     ctx.metrics.record_experts(served.name, job.k, update.experts)
                     experts = ExpertCounts.total([experts, update.experts])
+                    cached += update.metrics.cached_tokens if update.metrics is not None else 0
             if options and options.include_usage:
                 usage = responses.usage(
-                    job.prompt_tokens, completion_tokens, job.reported_k, spec=job.k, experts=experts
+                    job.prompt_tokens,
+                    completion_tokens,
+                    job.reported_k,
+                    spec=job.k,
+                    experts=experts,
+                    cached_tokens=cached,
                 )
                 yield _sse({**header, "choices": [], "usage": usage.model_dump()})
         except Exception as exc:  # headers are gone: report in-band, then close the stream
@@ -267,7 +291,7 @@ def _event_stream(
 # ---- /v1/classify and /v1/score -----------------------------------------------------------------
 
 
-async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> p.ClassifyResponse:
+async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> Any:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
@@ -276,10 +300,10 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
     results = await _unless_disconnected(http, served.engine.classify(job.token_ids, job.k))
     ctx.metrics.record_pooling(served.name, "classify", label, time.monotonic() - start, job.prompt_tokens)
     ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
-    return responses.classify_response(served.name, job, results)
+    return await ctx.respond(responses.classify_response, request.model or served.name, job, results)
 
 
-async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> p.ScoreResponse:
+async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> Any:
     served = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
@@ -288,7 +312,7 @@ async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> 
     results = await _unless_disconnected(http, served.engine.score(job.token_ids, job.k, job.return_token_logprobs))
     ctx.metrics.record_pooling(served.name, "score", label, time.monotonic() - start, job.prompt_tokens)
     ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
-    return responses.score_response(served.name, job, results)
+    return await ctx.respond(responses.score_response, request.model or served.name, job, results)
 
 
 # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------

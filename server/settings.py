@@ -57,6 +57,10 @@ class ServerSettings:
     data_dir: str | None = option(
         None, "the Batch API's database and files (default: $XDG_STATE_HOME/moe-serve, else ~/.local/state/moe-serve)"
     )
+    max_stored_bytes: int = option(
+        10 << 30,
+        "quota for the files kept in --data-dir (uploads and batch outputs): an upload that would pass it gets 507",
+    )
     batch_max_in_flight: int = option(
         64, "Batch API lines in flight while no interactive request runs (one while any does)"
     )
@@ -64,7 +68,7 @@ class ServerSettings:
         False, "with an API key, still serve /metrics, /dashboard, /docs and /openapi.json without it"
     )
     max_concurrent_requests: int = option(512, "API requests handled at once; more get 503 with Retry-After")
-    max_connections: int = option(1024, "open connections at once; more are answered 503 by uvicorn")
+    max_connections: int = option(1024, "open connections at once; more get 503 with Retry-After in the error envelope")
     header_timeout: float = option(10.0, "seconds a connection may take to send a request's headers")
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open")
     expert_metrics: ExpertMetrics = option(
@@ -94,6 +98,7 @@ class ServerSettings:
         object.__setattr__(self, "api_key", key)
         check_int("port", self.port, 0, 65535)
         check_int("batch_max_in_flight", self.batch_max_in_flight, 1)
+        check_int("max_stored_bytes", self.max_stored_bytes, 1)
         for name in ("max_body_bytes", "max_upload_bytes", "max_concurrent_requests", "max_connections"):
             check_int(name, getattr(self, name), 1)
         for name in ("header_timeout", "keep_alive_timeout", "drain_timeout"):

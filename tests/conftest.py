@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RouterConfig
+from moe_serve.layers.routers import router_config
+from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig
 from moe_serve.testing import create_random_artifact
 
 NUM_EXPERTS = 4
@@ -44,7 +45,7 @@ def lm_config(**overrides) -> ModelConfig:
         num_experts=NUM_EXPERTS,
         layers=(1,),
         expert=FFNConfig("glu", 48),
-        router=RouterConfig("topk_softmax"),
+        router=router_config("topk_softmax"),
         experts_per_token=ExpertsPerToken(default=2),
     )
     base = ModelConfig(
@@ -77,7 +78,7 @@ def classifier_config(**overrides) -> ModelConfig:
         classifier=ClassifierConfig(labels=("comedy", "history", "tragedy"), pooling="mean"),
         moe=moe_config(
             expert=FFNConfig("adapter", 16, "silu"),
-            router=RouterConfig("soft_merge", input_norm="layernorm"),
+            router=router_config("soft_merge", input_norm="layernorm"),
             experts_per_token=ExpertsPerToken(default=NUM_EXPERTS),
         ),
         bos_token_id=None,

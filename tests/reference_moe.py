@@ -1,5 +1,6 @@
 """A slow, obviously correct MoE layer: plain Python loops over sequences, tokens and chosen experts,
-reading the block's weights directly. It shares no code with the fast path (moe_serve/layers)."""
+reading the block's weights directly. It shares no code with the fast path: what is particular to a router
+kind comes from the kind's own slow reference (Router.reference_weights, Router.reference_scores)."""
 
 from __future__ import annotations
 
@@ -67,26 +68,15 @@ def top_p_k(logits: list[float], p: float, min_k: int, max_k: int) -> int:
     return min(max(n, min_k), max_k)
 
 
-def combine_weights(kind: str, normalize: bool, logits: list[float], chosen: list[int]) -> list[float]:
-    if kind == "topk_uniform":
-        return [1.0 / len(chosen)] * len(chosen)
-    if kind in ("topk_softmax", "hyper_expert") and not normalize:
-        z = sum(math.exp(v) for v in logits)
-        return [math.exp(logits[i]) / z for i in chosen]
-    z = sum(math.exp(logits[i]) for i in chosen)
-    return [math.exp(logits[i]) / z for i in chosen]
-
-
 def similarity_mix(block: MoEBlock, x: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Similarity-aware routing of one sequence x [T, D] with the whole [T, T] matrix written out: S = the
-    row softmax of x x^T / tau (causal: j <= i), P = the router's softmax of each token -> Q = S P [T, N]."""
+    """Similarity-aware routing of one sequence x [T, D] by the kind's own reference (the [T, T] matrix
+    written out) -> Q [T, N]."""
+    return block.router_kind.reference_scores(x, _router_logits(block, x), causal=causal)  # type: ignore[call-arg]
+
+
+def _router_logits(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
     w, b = block.router.weight.double(), block.router.bias
-    logits = x @ w.T + (0 if b is None else b.double())
-    probs = torch.softmax(logits, dim=-1)
-    scores = x @ x.T / block.config.router.tau
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ probs
+    return x.double() @ w.T + (0 if b is None else b.double())
 
 
 def reference_moe(
@@ -101,20 +91,21 @@ def reference_moe(
     policies: per sequence, None (exactly its k) or (p, min_k): top-p with its k as the max. taken: when
     given, receives the k each token of each sequence took."""
     cfg = block.config
+    kind = block.router_kind
     out = torch.zeros_like(x)
     w_router = block.router.weight.double()
     b_router = None if block.router.bias is None else block.router.bias.double()
     for b in range(x.shape[0]):
         positions = [l for l in range(x.shape[1]) if token_mask[b, l]]
-        if cfg.router.kind in ("soft_merge", "example_topk"):
+        if kind.per_sequence:
             pooled = sum(x[b, l].double() for l in positions) / len(positions)
-            if cfg.router.input_norm == "layernorm":
+            if getattr(cfg.router, "input_norm", None) == "layernorm":
                 norm = block.router_norm
                 pooled = F.layer_norm(pooled, pooled.shape, norm.weight.double(), norm.bias.double(), norm.eps)
             logits = torch.mv(w_router, pooled).tolist()
             chosen = choose(logits, ks[b])
-            if cfg.router.kind == "example_topk":  # each chosen expert applied, weighed by its full softmax p
-                weights = combine_weights("topk_softmax", False, logits, chosen)
+            weights = kind.reference_weights(logits, chosen)
+            if not kind.merges_experts:  # each chosen expert applied to every token, with its weight
                 for l in positions:
                     token = x[b, l].double()
                     total = sum(
@@ -123,7 +114,6 @@ def reference_moe(
                     )
                     out[b, l] = total.to(x.dtype)
                 continue
-            weights = combine_weights("topk_softmax", True, logits, chosen)
             merged: dict[str, torch.Tensor | None] = {}
             for e, w in zip(chosen, weights, strict=True):
                 for name, p in expert_params(block, e).items():
@@ -134,7 +124,8 @@ def reference_moe(
             for l in positions:
                 out[b, l] = run_expert(cfg.expert, merged, x[b, l].double()).to(x.dtype)
         else:
-            mixed = similarity_mix(block, x[b, positions].double()) if cfg.router.kind == "similarity" else None
+            seq = x[b, positions].double()
+            mixed = kind.reference_scores(seq, _router_logits(block, seq))
             for i, l in enumerate(positions):
                 token = x[b, l].double()
                 logits = torch.mv(w_router, token)
@@ -145,13 +136,13 @@ def reference_moe(
                 k = ks[b] if policy is None else top_p_k(logits, policy[0], policy[1], ks[b])
                 if taken is not None:
                     taken[b].append(k)
-                if mixed is not None:  # similarity: top-k of the mixed distribution, weights renormalised
+                if mixed is not None:  # top-k of the kind's scores (similarity's mix), weights renormalised
                     q = mixed[i].tolist()
                     chosen = choose(q, k)
                     weights = [q[e] / sum(q[c] for c in chosen) for e in chosen]
                 else:
                     chosen = choose(logits, k)
-                    weights = combine_weights(cfg.router.kind, cfg.router.normalize, logits, chosen)
+                    weights = kind.reference_weights(logits, chosen)
                 y = torch.zeros_like(token)
                 for e, w in zip(chosen, weights, strict=True):
                     params = {n: None if p is None else p.double() for n, p in expert_params(block, e).items()}
@@ -179,31 +170,6 @@ def reference_moe(
                     y = y * torch.sigmoid(torch.dot(block.shared_expert_gate.weight[0].double(), x[b, l].double()))
                 out[b, l] = out[b, l] + y.to(x.dtype)
     return out
-
-
-def attention_aware_mix(
-    q: torch.Tensor,  # [n, Dh] head h's queries (as the attention kernel saw them)
-    k: torch.Tensor,  # [n, Dh] its key/value group's keys
-    v: torch.Tensor,  # [n, Dh] and values
-    positional: torch.Tensor | None,  # [n, n] the Transformer-XL term q_rel_i . r_k[i - j], or None
-    scale: float,
-    w_o: torch.Tensor,  # [D, Dh] head h's slice of the output projection
-    x: torch.Tensor,  # [n, D] the MoE layer's inputs
-    probs: torch.Tensor,  # [n, N] the router's softmax of each token
-    sigma: float,
-    causal: bool = True,
-) -> torch.Tensor:
-    """Attention-aware routing of one sequence from Lemma 1, every matrix written out: the head's attention
-    A (causal softmax of its scores), the likelihood L_ij = exp(-||x_i - W_O v_j||^2 / (2 sigma^2)), the
-    posterior A^ = A L / sum_j A L -> Q = A^ P [n, N]."""
-    q, k, v, w_o, x, probs = (t.double() for t in (q, k, v, w_o, x, probs))
-    scores = q @ k.T + (0 if positional is None else positional.double())
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    attention = torch.softmax(scores * scale, dim=-1)
-    distance = ((x[:, None, :] - (v @ w_o.T)[None, :, :]) ** 2).sum(-1)  # [n, n] ||x_i - W_O v_j||^2
-    posterior = attention * torch.exp(-(distance - distance.min(dim=1, keepdim=True).values) / (2 * sigma**2))
-    return (posterior / posterior.sum(dim=1, keepdim=True)) @ probs
 
 
 def _double(params: dict) -> dict:

@@ -33,6 +33,7 @@ def run(capsys):
     return run
 
 
+@pytest.mark.slow
 def test_console_script_is_the_same_program() -> None:
     """The installed `moe-serve` and `python -m moe_serve` start, parse and answer (a real subprocess)."""
     script = subprocess.run(

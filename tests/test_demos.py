@@ -45,6 +45,7 @@ def test_language_models_learned_shakespeare(name: str) -> None:
             assert sum(c.isalpha() or c.isspace() for c in out.outputs[0].text) > 45
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CLASSIFIERS)
 def test_classifiers_beat_chance_on_held_out_plays(name: str) -> None:
     llm = LLM(name)

@@ -10,10 +10,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LATER_STAGES = ("server", "exporters", "cli", "batch", "evaluation", "loadtests", "vllm_plugin")
 
 
+@pytest.mark.slow
 def test_importing_the_runtime_loads_no_server_eval_or_plot_stack() -> None:
     code = (
         "import sys, moe_serve, moe_serve.llm, moe_serve.engine.async_engine, moe_serve.api.prepare;"

@@ -1,4 +1,4 @@
-"""moe-serve artifacts inside vLLM, each request choosing its own experts_per_token (DESIGN §12).
+"""moe-serve artifacts inside vLLM, each request choosing its own experts_per_token (docs/architecture.md §7).
 
 Installed by the `vllm` extra; vLLM loads `register` through the `vllm.general_plugins` entry point in
 every process it starts (API server, engine core, workers). Then `vllm serve ARTIFACT_DIR` and

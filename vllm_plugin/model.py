@@ -156,10 +156,10 @@ class MoeServeForCausalLM(MoETransformer):
     ) -> torch.Tensor:
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         t = h.shape[0]
-        # The MoE blocks of stateless routers read only top_k and max_k; max_k is the artifact's largest k,
+        # The MoE blocks of stateless routers read only token_k and max_k; max_k is the artifact's largest k,
         # so the shapes never depend on the step's requests. Slots beyond a token's own k are id -1, never computed.
-        top_k = self.experts_per_token[:t].to(h.device)
-        batch = VllmBatch(attention=None, top_k=top_k, max_k=self.max_k, positions=positions)  # type: ignore[arg-type]
+        token_k = self.experts_per_token[:t].to(h.device)
+        batch = VllmBatch(attention=None, token_k=token_k, max_k=self.max_k, positions=positions)  # type: ignore[arg-type]
         for layer in self.layers:
             h = layer(h, batch)
         return self.norm(h) if self.config.final_norm else h

@@ -1,6 +1,8 @@
-"""ONNX exports made on first use, for `--backend onnxruntime` given an artifact or a bundled demo: the
-command line, the server and the batch runner call `servable` before they load a model, so the runtime
-(which never imports an exporter) only ever opens an export directory.
+"""ONNX exports made on first use, for `--backend onnxruntime` given an artifact or a bundled demo, and
+`load_servable`, how the front ends (the command line, the server, the batch runner, the benchmarks) load a
+model: the runtime's moe_serve.engine.backend.load_model, handed the artifact's cached export when the
+backend opens exports. It lives here, not in the runtime, because the runtime never imports an exporter: it
+only ever opens an export directory.
 
 The cache is ~/.cache/moe-serve/onnx (or $MOE_SERVE_ONNX_CACHE), one directory per artifact under a key of
 its recorded checksums and the graph format: a changed artifact, or a runtime that needs another graph,
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from moe_serve.artifact import read_manifest
 from moe_serve.config import EngineConfig
+from moe_serve.engine.backend import backend_for, load_model
+from moe_serve.engine.runner import LoadedModel
 from moe_serve.errors import ArtifactError
 from moe_serve.exporters.base import ExportError
 from moe_serve.onnx_model import FORMAT_VERSION, is_export
@@ -24,10 +28,16 @@ from moe_serve.registry import resolve_model
 logger = logging.getLogger(__name__)
 
 
+def load_servable(model: str | Path, config: EngineConfig) -> LoadedModel:
+    """The model (a directory or a bundled name) loaded for the configured backend, exported first if the
+    backend opens ONNX exports and the model is an artifact."""
+    return load_model(servable(model, config), config)
+
+
 def servable(model: str | Path, config: EngineConfig) -> str:
-    """What to load for the configured backend: the model as given, or, for the onnxruntime backend and a
-    moe-serve artifact (a directory or a bundled name), its cached export (made now if missing)."""
-    if config.backend != "onnxruntime" or is_export(Path(model)):
+    """What to load for the configured backend: the model as given, or, for a backend that opens ONNX
+    exports and a moe-serve artifact (a directory or a bundled name), its cached export (made now if missing)."""
+    if not backend_for(config).opens_onnx_exports or is_export(Path(model)):
         return str(model)
     return str(cached_export(model))
 

@@ -1,5 +1,5 @@
 """`moe-serve export-onnx MODEL OUT_DIR`: a serving artifact -> an ONNX graph with experts_per_token an
-int64 input per row (DESIGN §12; the interface is documented in moe_serve/onnx_model.py).
+int64 input per row (docs/architecture.md §7; the interface is documented in moe_serve/onnx_model.py).
 
 ONNX is an export *target*: the source is always a moe-serve artifact. The graph is traced from
 exporters.onnx.graph with the TorchScript exporter (dynamo=False: the expert dispatch is data-dependent,
@@ -47,8 +47,6 @@ EXTERNAL_DATA_BYTES = 1 << 30
 # The exported graph against the traced module, on fresh shapes (fp32; both run the same math): the largest
 # difference, relative to the largest output magnitude (at least 1). A baked-in shape is off by far more.
 VERIFY_TOLERANCE = 1e-4
-# Router kinds the graph expresses (exporters.onnx.graph.route and the soft_merge merge).
-GRAPH_ROUTERS = ("topk_softmax", "topk_uniform", "soft_merge", "hyper_expert")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +58,11 @@ class OnnxExport:
 
 
 def check_exportable(config: ModelConfig) -> None:
-    """Refuse, naming the feature, a model the graph cannot express."""
-    moe = config.moe
-    if moe is None:
-        return
-    kind = moe.router.kind
-    if router_class(kind).state_size(moe.num_experts, config.hidden_size) > 0:
-        raise ExportError(
-            f"router kind '{kind}' keeps per-token routing state in the KV cache (graph-of-tokens routing: each "
-            "token's choice mixes over earlier tokens of its sequence); the ONNX graph carries only keys and "
-            "values between runs, so it cannot express this router"
-        )
-    if kind not in GRAPH_ROUTERS:
-        raise ExportError(f"router kind '{kind}' has no ONNX graph; export-onnx expresses {', '.join(GRAPH_ROUTERS)}")
+    """Refuse, naming the feature, a model the graph cannot express (a router kind says for itself)."""
+    if config.moe is not None:
+        refusal = router_class(config.moe.router.kind).onnx_refusal(config)
+        if refusal is not None:
+            raise ExportError(refusal)
 
 
 def export_onnx(

@@ -80,6 +80,7 @@ def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, lim
             f"prompt has {len(texts)} prompts; at most {limits.max_prompts} per request", parameter="prompt"
         )
     prompts = [inputs.encode_text(x, "prompt") if isinstance(x, str) else x for x in texts]
+    limits.check_work([len(ids) for ids in prompts], "prompt")
     requests = [inputs.generation_request(ids, params) for ids in prompts]
     k = inputs.config.reported_k(requests[0].k)
     return GenerationJob(requests, params, k, request.logprobs, request.echo, request.max_tokens != 0)
@@ -87,8 +88,8 @@ def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, lim
 
 def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limits: RequestLimits) -> GenerationJob:
     inputs.require_task("causal_lm", "/v1/chat/completions")
+    params = request.to_sampling_params(limits.max_tokens_cap)  # refuses what is not implemented, before rendering
     prompt = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
-    params = request.to_sampling_params(limits.max_tokens_cap)
     if request.stop is None and inputs.config.chat_stop:  # the model's default; a request's own stop replaces it
         params = dataclasses.replace(params, stop=list(inputs.config.chat_stop))
     if request.max_tokens is None:  # as OpenAI and vLLM: a reply may run to the end of the context (or the cap)
@@ -115,6 +116,7 @@ def prepare_pooling(
         )
     k = inputs.resolve(request.experts_per_token, request.moe.to_policy() if request.moe is not None else None)
     token_ids = [inputs.encode_text(text, "input") for text in texts]
+    limits.check_work([len(ids) for ids in token_ids], "input")
     for index, ids in enumerate(token_ids):
         (inputs.check_score_input if is_score else inputs.check_classify_input)(ids, index)
     return PoolingJob(
@@ -129,10 +131,12 @@ def prepare_pooling(
 
 def tokenize(inputs: InputProcessor, request: p.TokenizeRequest) -> p.TokenizeResponse:
     """vLLM's /tokenize: exactly the ids a completion (prompt) or a chat request (messages) would run on."""
+    request.refuse_unsupported()
     if request.messages is not None:
         ids = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
     else:
-        ids = inputs.encode_text(request.prompt, "prompt")  # type: ignore[arg-type]  # one of the two is set
+        assert request.prompt is not None  # the request's validator: exactly one of prompt and messages
+        ids = inputs.encode_text(request.prompt, "prompt")
         if not request.add_special_tokens and inputs.config.add_bos_token:
             ids = ids[1:]
     strs = [inputs.tokenizer.id_to_token(t) for t in ids] if request.return_token_strs else None
@@ -146,8 +150,10 @@ def detokenize(inputs: InputProcessor, request: p.DetokenizeRequest) -> p.Detoke
 
 def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
     """The model's chat template (Jinja, sandboxed) applied to the messages, with a generation prompt. The
-    output is capped at what the model's context could ever hold: a template that multiplies its input is
-    stopped as it renders, and a template that fails is the request's problem (400 naming `messages`)."""
+    output, and every value the template builds without emitting it, is capped at what the model's context
+    could ever hold, and the render's steps and time are bounded (moe_serve.chat_template): a template that
+    multiplies its input or loops without end is stopped as it renders, and a template that fails is the
+    request's problem (400 naming `messages`)."""
     config, tokenizer = inputs.config, inputs.tokenizer
     if not config.chat_template:
         raise ValidationError(f"model '{inputs.name}' has no chat template; use /v1/completions", parameter="messages")
@@ -156,11 +162,11 @@ def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
         return tokenizer.id_to_token(token_id) if token_id is not None else ""
 
     cap = inputs.max_text_chars
-    environment = TemplateEnvironment(cap)
+    environment = TemplateEnvironment(cap)  # bounds the render's steps, time and every value it builds
     try:
-        template = environment.from_string(config.chat_template)
         parts, size = [], 0
-        for part in template.generate(
+        for part in environment.render_parts(
+            config.chat_template,
             messages=[m.for_template() for m in messages],
             add_generation_prompt=True,
             bos_token=special(config.bos_token_id),

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from moe_serve.errors import ValidationError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 from moe_serve.moe_policy import MoEPolicy
 from moe_serve.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -43,12 +46,19 @@ def _utf8(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+# A JSON number (an integer is a number: `1` is 1.0), never a string or a boolean: as strict as the int fields.
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
 # A request's k: a number of experts, or "auto" (the server picks k under its latency target).
 RequestK = Annotated[StrictInt, Field(ge=1)] | Literal["auto"]
 
 logger = logging.getLogger(__name__)
+
+# Per-request bounds on lists whose every item is work before anything is generated: rendering a chat template
+# over 20,000 messages took seconds, decoding 200,000 ids delayed other requests by one (issue 28). A
+# conversation or a token list longer than these is refused with a 400 naming the field and the bound.
+MAX_MESSAGES = 2048  # chat completions and /tokenize
+MAX_DETOKENIZE_TOKENS = 1 << 16  # /detokenize
 
 
 # Field -> the values that mean "not used" (what this server does anyway). The README's field table
@@ -75,6 +85,9 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    # vLLM's per-request chat template: only the artifact's own template renders here.
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
     # Fields of the completions request that chat requests do not implement.
     "best_of": (None, 1),
     "echo": (None, False),
@@ -219,9 +232,14 @@ class CompletionRequest(_SamplingFields):
             return [prompt]
         if not prompt:
             raise ValidationError("prompt must not be empty", parameter="prompt")
-        if all(isinstance(t, int) for t in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        if _is_token_ids(prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """One token-id prompt, not a batch (each item of a validated prompt list is of the same kind)."""
+    return all(isinstance(t, int) for t in prompt)
 
 
 class TextPart(BaseModel):
@@ -245,7 +263,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     model: Text | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -277,7 +295,7 @@ class TokenizeRequest(_Request):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
 
@@ -287,10 +305,13 @@ class TokenizeRequest(_Request):
             raise ValueError("give exactly one of prompt and messages")
         return self
 
+    def refuse_unsupported(self) -> None:
+        _refuse_not_implemented(self.model_extra or {})  # vLLM's chat_template, tools, ...: not accepted here
+
 
 class DetokenizeRequest(_Request):
     model: Text | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]]
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -311,10 +332,15 @@ class ExpertsDetails(BaseModel):
     per_layer: list[LayerExperts]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # completions and chat (OpenAI's shape)
     # The fixed k used (None: a dense model, a `moe` policy, or experts_per_token "auto", whose k the server
     # chose step by step: see experts_per_token_mean).
     experts_per_token: int | None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from moe_serve.api import protocol as p
@@ -25,17 +26,19 @@ def usage(
     *,
     spec: KSpec | None = None,
     experts: ExpertCounts | None = None,
+    cached_tokens: int | None = None,
 ) -> p.Usage:
     """`spec` and `experts`: the request's k spec and what its tokens took, for the mean k (and, under a
-    `moe` policy, the per-layer details)."""
+    `moe` policy, the per-layer details). `cached_tokens` (generation only): prompt tokens the prefix cache
+    served, reported as OpenAI's `prompt_tokens_details.cached_tokens`."""
     mean = experts.mean if experts is not None else None
     if mean is None and k is not None:
         mean = float(k)  # a fixed k, nothing counted (every token took k)
     details = None
-    if spec is not None and spec.adaptive and experts is not None:
+    if spec is not None and spec.top_p is not None and experts is not None:  # adaptive
         details = p.ExpertsDetails(
             policy=spec.policy,
-            p=spec.top_p,  # type: ignore[arg-type]  # adaptive: set
+            p=spec.top_p,
             min=spec.lowest,
             max=spec.k,
             per_layer=[p.LayerExperts(layer=layer, mean=m) for layer, m in experts.layer_means().items()],
@@ -48,14 +51,20 @@ def usage(
         approximate=approximate,
         experts_per_token_mean=mean,
         experts_per_token_details=details,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None,
     )
+
+
+def cached_tokens(results: list[RequestOutput] | None) -> int:
+    """Prompt tokens of these requests whose keys and values came from the prefix cache."""
+    return sum(r.metrics.cached_tokens for r in results or [] if r.metrics is not None)
 
 
 def completion_logprobs(
     tokenizer: Tokenizer,
     token_ids: list[int],
-    logprobs: list[float | None],
-    tops: list[dict[int, float] | None],
+    logprobs: Sequence[float | None],
+    tops: Sequence[dict[int, float] | None],
     wanted: int | None,
     offset: int = 0,
 ) -> p.CompletionLogprobs | None:
@@ -78,7 +87,7 @@ def completion_logprobs(
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
     return p.CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=logprobs,
+        token_logprobs=list(logprobs),
         top_logprobs=[alternatives(top) for top in tops] if wanted else None,
         text_offset=offsets,
     )
@@ -95,7 +104,9 @@ def completion_choice(
     """One choice; with echo, the prompt's text and (scored) logprobs come first. `out` is None when
     nothing was generated (echo with max_tokens 0)."""
     text = out.text if out else ""
-    ids, values, tops = (out.token_ids, out.logprobs or [], out.top_logprobs or []) if out else ([], [], [])
+    ids: list[int] = out.token_ids if out else []
+    values: Sequence[float | None] = (out.logprobs or []) if out else []
+    tops: Sequence[dict[int, float] | None] = (out.top_logprobs or []) if out else []
     if job.echo:
         text = tokenizer.decode(prompt_token_ids) + text
         if prompt_score is not None:
@@ -153,7 +164,14 @@ def completion_response(
     completion_tokens = sum(r.num_generated_tokens for r in results or [])
     # The echoed prompts' scoring ran at the same k spec: its tokens count too.
     experts = ExpertCounts.total([r.experts for r in results or []] + [s.experts for s in prompt_scores or []])
-    totals = usage(job.prompt_tokens, completion_tokens, job.reported_k, spec=job.k, experts=experts)
+    totals = usage(
+        job.prompt_tokens,
+        completion_tokens,
+        job.reported_k,
+        spec=job.k,
+        experts=experts,
+        cached_tokens=cached_tokens(results),
+    )
     body = p.CompletionResponse(model=model, choices=choices, usage=totals)
     if response_id is not None:
         body.id = response_id
@@ -172,7 +190,14 @@ def chat_response(
         )
         for out in result.outputs
     ]
-    totals = usage(job.prompt_tokens, result.num_generated_tokens, job.reported_k, spec=job.k, experts=result.experts)
+    totals = usage(
+        job.prompt_tokens,
+        result.num_generated_tokens,
+        job.reported_k,
+        spec=job.k,
+        experts=result.experts,
+        cached_tokens=cached_tokens([result]),
+    )
     body = p.ChatCompletionResponse(model=model, choices=choices, usage=totals)
     if response_id is not None:
         body.id = response_id
@@ -208,7 +233,7 @@ def score_response(model: str, job: PoolingJob, results: list[ScoreOutput]) -> p
 
 def completion_chunk_choice(
     tokenizer: Tokenizer, job: GenerationJob, prompt_index: int, update: SequenceUpdate, offset: int
-) -> dict:
+) -> dict[str, Any]:
     """`offset`: the length of the text this choice's earlier chunks carried."""
     logprobs = completion_logprobs(
         tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs, offset
@@ -221,7 +246,7 @@ def completion_chunk_choice(
     }
 
 
-def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> dict:
+def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> dict[str, Any]:
     logprobs = chat_logprobs(tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
     return {
         "index": update.index,
@@ -231,7 +256,7 @@ def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: Sequence
     }
 
 
-def chat_role_choices(n: int) -> list[dict]:
+def chat_role_choices(n: int) -> list[dict[str, Any]]:
     """The first chunk of a chat stream: each choice's role."""
     return [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)]
 

@@ -14,13 +14,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine import pooling
-from moe_serve.engine.backend import engine_device, load_model
+from moe_serve.engine.backend import engine_device
 from moe_serve.engine.expert_load import ExpertLoad
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
+from moe_serve.engine.runner import LoadedModel
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.errors import EngineOverloadedError, EngineStoppedError
 from moe_serve.moe_policy import KSpec
@@ -94,6 +94,7 @@ class GenerationStream:
         self._engine = engine
         self._submission = submission
         self._done = False
+        self.on_tokens: Any = None  # called with each update's count of new tokens as it is read (metrics)
 
     @property
     def request(self) -> GenerationRequest:
@@ -115,6 +116,8 @@ class GenerationStream:
             self._done = True
             raise update
         self._done = update.finished
+        if self.on_tokens is not None:
+            self.on_tokens(sum(len(u.token_ids) for u in update.updates))
         return update
 
     def abort(self) -> None:
@@ -155,7 +158,6 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, track_expert_load: bool = False) -> None:
         self.engine = engine
-        self._auto_k = engine.auto_k  # built now, before the engine thread and metric scrapes could both build it
         self.max_waiting = engine.config.max_waiting
         self.expert_load = ExpertLoad(engine.runner) if track_expert_load and engine.model_config.moe else None
         self._lock = threading.Condition()
@@ -169,13 +171,14 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def load(cls, model: str, config: EngineConfig, *, track_expert_load: bool = False) -> AsyncEngine:
-        """Load an artifact (a directory or a bundled name) and start its engine thread."""
-        engine = LLMEngine(load_model(model, config), config, engine_device(config))
+    def start(cls, model: LoadedModel, config: EngineConfig, *, track_expert_load: bool = False) -> AsyncEngine:
+        """An engine for a model loaded for `config`'s backend (the front ends load with
+        moe_serve.exporters.onnx.load_servable), its thread started."""
+        engine = LLMEngine(model, config, engine_device(config))
         return cls(engine, track_expert_load=track_expert_load)
 
     @property
-    def artifact(self) -> Artifact:
+    def artifact(self) -> LoadedModel:
         return self.engine.artifact
 
     # ---- state seen by the server ---------------------------------------------------------------
@@ -212,7 +215,7 @@ class AsyncEngine:
     @property
     def auto_k(self) -> int | None:
         """The k that experts_per_token "auto" requests run with now (None: no --target-itl-ms, or dense)."""
-        return self._auto_k.current_k if self._auto_k is not None else None
+        return self.engine.auto_k.current_k if self.engine.auto_k is not None else None
 
     @property
     def num_requests(self) -> int:
@@ -404,4 +407,4 @@ class AsyncEngine:
 
 def _request_metrics(seqs: list[Sequence]) -> RequestMetrics:
     timings = [SequenceTiming(s.first_scheduled_time, list(s.token_times)) for s in seqs]
-    return RequestMetrics(seqs[0].arrival_time, timings)
+    return RequestMetrics(seqs[0].arrival_time, timings, seqs[0].num_cached_tokens)

@@ -11,16 +11,23 @@ The engine reports every step (`observe`) and reads `current_k` before the next 
   sequences decode than when it failed (the load went away);
 - after any change wait `settle` steps, so the average reflects the new k before the next decision;
 - time the engine spends idle (nothing to run) counts as calm steps (`idle`), so k recovers while no load comes.
-Never below the model's min_k nor above its max_k. Nothing here reads a clock or touches tensors: tests feed
-it timings directly.
+Never below the model's min_k nor above its max_k.
+
+`AutoKClock` is the engine's side: it turns the engine's steps (when each began and ended, which sequences
+ran, whether the engine went idle) into the controller's observations, and gives "auto" sequences the
+current k. Nothing here reads a clock or touches tensors: the engine passes its timestamps, tests feed
+timings directly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_serve.engine.scheduler import ema
+from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.step_costs import ema
 from moe_serve.errors import ValidationError
+from moe_serve.moe_policy import KSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +77,7 @@ class AutoKController:
         self._failed_at_decoding: int | None = None  # sequences decoding when the last raise failed
 
     def observe(
-        self, step_seconds: float | None, num_decoding: int, num_waiting: int, first_token_seconds: list[float] = ()
+        self, step_seconds: float | None, num_decoding: int, num_waiting: int, first_token_seconds: Sequence[float] = ()
     ) -> int:
         """One engine step: `step_seconds` is the inter-token latency the step's decoding sequences saw
         (None when it cannot be measured), `num_waiting` the sequences queued after it, and
@@ -144,3 +151,50 @@ class AutoKController:
         if k != self.current_k:
             self.current_k = k
             self._since_change = 0
+
+
+class AutoKClock:
+    """Feeds a controller from the engine's steps: `begin_step` before a step runs, `end_step` after it."""
+
+    def __init__(self, controller: AutoKController) -> None:
+        self.controller = controller
+        self._last_step_end: float | None = None  # when the previous step ended (the inter-token latency seen)
+        self._idle_since: float | None = None  # when a step last left nothing to run (k recovers while idle)
+
+    def begin_step(self, started: float, scheduled: list[ScheduledSequence]) -> None:
+        """The time idle since the last step counts as calm; "auto" sequences run this step at the current k."""
+        if self._idle_since is not None:
+            self.controller.idle(started - self._idle_since)
+            self._idle_since = self._last_step_end = None
+        for item in scheduled:
+            if item.seq.k_spec.auto:
+                item.seq.k_spec = KSpec.auto_at(self.controller.current_k)
+
+    def end_step(
+        self,
+        output: SchedulerOutput,
+        sample_items: list[int],
+        sampled: float,
+        ended: float,
+        num_waiting: int,
+        idle: bool,
+    ) -> None:
+        """Report a step that sampled `sample_items` at time `sampled` and ended at `ended`, leaving `num_waiting`
+        sequences queued and, when `idle`, nothing to run.
+
+        The inter-token latency of the step's decoding sequences is the time since the previous step ended
+        (the engine steps back to back while anything runs, so that is when they got their previous token):
+        work between steps included, as clients see it. A step that only prefills has no inter-token
+        latency; prefill chunks in a decoding step count: they delay those tokens (the scheduler bounds by
+        how much: max_join_stall), and k changes their cost too."""
+        previous, self._last_step_end = self._last_step_end, ended
+        first_tokens = []
+        if self.controller.config.target_ttft is not None:
+            for i in sample_items:
+                seq = output.scheduled[i].seq
+                if len(seq.token_times) == 1 and seq.token_times[0] == sampled:  # its first token came now
+                    first_tokens.append(seq.token_times[0] - seq.arrival_time)
+        itl = ended - previous if previous is not None and output.num_decodes else None
+        self.controller.observe(itl, output.num_decodes, num_waiting, first_tokens)
+        if idle:
+            self._idle_since = ended

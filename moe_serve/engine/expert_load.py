@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import threading
 
-from moe_serve.engine.model_runner import Runner
+from moe_serve.engine.runner import Runner
 
 
 class ExpertLoad:

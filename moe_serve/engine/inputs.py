@@ -48,6 +48,7 @@ class InputProcessor:
         if value is None:
             return moe.default_k
         check_int("experts_per_token", value, moe.min_k, moe.max_k)
+        assert isinstance(value, int)  # check_int refused anything else ("auto" is resolved before this)
         return value
 
     def resolve(self, experts_per_token: int | str | None, policy: MoEPolicy | None) -> KSpec:

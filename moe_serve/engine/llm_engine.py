@@ -8,21 +8,18 @@ finish that sequence with an error; the step goes on for the others.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
 import torch
 
-from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
-from moe_serve.engine.auto_k import AutoKConfig, AutoKController
-from moe_serve.engine.backend import make_runner, model_dtype
+from moe_serve.engine.auto_k import AutoKClock, AutoKConfig, AutoKController
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.detokenizer import IncrementalDetokenizer
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.kv_cache import bytes_per_token, cache_shape, router_state_sizes
-from moe_serve.engine.model_runner import Runner, StepResult
+from moe_serve.engine.runner import LoadedModel, Runner, StepResult
 from moe_serve.engine.sampler import sample
 from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
@@ -36,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, artifact: Artifact, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, artifact: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.artifact = artifact
         self.model_config = artifact.config
         self.tokenizer = artifact.tokenizer
@@ -44,15 +41,23 @@ class LLMEngine:
         self.device = device
         positions = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
-        dtype = model_dtype(artifact)
+        dtype = artifact.dtype
         budget = config.kv_cache_memory
         if config.kv_cache_tokens is not None:
             budget = min(budget, config.kv_cache_tokens * bytes_per_token(self.model_config, dtype))
         shape = cache_shape(self.model_config, dtype, budget, config.block_size)
-        self.runner: Runner = make_runner(artifact, device, shape)
+        self.runner: Runner = artifact.make_runner(device, shape)
         self.cache_shape = shape
         self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
-        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_join_stall)
+        scheduler_config = SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_join_stall,
+            long_prefill_threshold=config.long_prefill_threshold,
+            long_prefill_chunk=config.long_prefill_chunk,
+            max_long_prefills=config.max_long_prefills,
+            long_prefill_alone_seconds=config.long_prefill_alone_ms / 1000,
+        )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self._calibrate_costs(config)
         kv_budget = config.kv_cache_tokens or budget // bytes_per_token(self.model_config, dtype)
@@ -71,6 +76,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.auto_k = self._auto_k_controller()
+        self._auto_k_clock = AutoKClock(self.auto_k) if self.auto_k is not None else None
 
     def _calibrate_costs(self, config: EngineConfig) -> None:
         """How a prompt's cost grows with its length (attention), from a short and a long dummy prompt, so
@@ -130,7 +137,7 @@ class LLMEngine:
         kind: SequenceKind,
         params: SamplingParams,
     ) -> Sequence:
-        seq = Sequence(request_id, index, list(token_ids), len(token_ids), k, kind, params)
+        seq = Sequence(request_id, index, list(token_ids), len(token_ids), KSpec.of(k), kind, params)
         seq.arrival_time = time.monotonic()
         return seq
 
@@ -169,8 +176,7 @@ class LLMEngine:
         """Share of the KV-cache blocks held by sequences."""
         return self.blocks.num_used_blocks / max(self.blocks.num_blocks, 1)
 
-    @functools.cached_property
-    def auto_k(self) -> AutoKController | None:
+    def _auto_k_controller(self) -> AutoKController | None:
         """What picks the k of experts_per_token "auto" requests each step (None without --target-itl-ms,
         or for a model without MoE layers)."""
         moe = self.model_config.moe
@@ -186,24 +192,17 @@ class LLMEngine:
             )
         )
 
-    _last_step_end: float | None = None  # when the previous step ended (the inter-token latency auto k sees)
-    _idle_since: float | None = None  # when a step last left nothing to run (auto k recovers while idle)
-
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that changed (a token, a result, or finished)."""
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
         started = time.monotonic()
-        auto_k = self.auto_k
-        if auto_k is not None and self._idle_since is not None:
-            auto_k.idle(started - self._idle_since)
-            self._idle_since = self._last_step_end = None
         for item in output.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = started
-            if auto_k is not None and item.seq.spec.auto:  # "auto" requests run this step at the current k
-                item.seq.routing = KSpec.auto_at(auto_k.current_k)
+        if self._auto_k_clock is not None:
+            self._auto_k_clock.begin_step(started, output.scheduled)
         result, failed = self._execute(output)
         for i, (tokens, per_layer) in result.experts.items():
             output.scheduled[i].seq.add_experts(tokens, per_layer)
@@ -233,29 +232,10 @@ class LLMEngine:
             changed.append(seq)
         ended = time.monotonic()
         self.scheduler.costs.observe(output, ended - started)
-        if auto_k is not None:
-            self._observe_auto_k(auto_k, output, result.sample_items, now, ended)
-            if not self.scheduler.has_unfinished():
-                self._idle_since = ended
+        if self._auto_k_clock is not None:
+            idle = not self.scheduler.has_unfinished()
+            self._auto_k_clock.end_step(output, result.sample_items, now, ended, self.num_waiting, idle)
         return changed
-
-    def _observe_auto_k(
-        self, auto_k: AutoKController, output: SchedulerOutput, sample_items: list[int], sampled: float, ended: float
-    ) -> None:
-        """Feed the step to the auto-k controller. The inter-token latency of the step's decoding sequences
-        is the time since the previous step ended (the engine steps back to back while anything runs, so
-        that is when they got their previous token): work between steps included, as clients see it.
-        A step that only prefills has no inter-token latency; prefill chunks in a decoding step count: they
-        delay those tokens (the scheduler bounds by how much: max_join_stall), and k changes their cost too."""
-        previous, self._last_step_end = self._last_step_end, ended
-        first_tokens = []
-        if auto_k.config.target_ttft is not None:
-            for i in sample_items:
-                seq = output.scheduled[i].seq
-                if len(seq.token_times) == 1 and seq.token_times[0] == sampled:  # its first token came now
-                    first_tokens.append(seq.token_times[0] - seq.arrival_time)
-        itl = ended - previous if previous is not None and output.num_decodes else None
-        auto_k.observe(itl, output.num_decodes, self.num_waiting, first_tokens)
 
     def _execute(self, output: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledSequence, BaseException]]]:
         """Run the step; if it fails, run each sequence alone so that only the ones that fail alone fail."""
@@ -263,15 +243,15 @@ class LLMEngine:
             return self.runner.execute(output), []
         except Exception:
             logger.exception("a step of %d sequences failed; running them one at a time", len(output.scheduled))
-        merged, failed = StepResult(), []
-        logits = []
+        merged, failed = StepResult(), []  # type: tuple[StepResult, list[tuple[ScheduledSequence, BaseException]]]
+        logits: list[torch.Tensor] = []
         for i, item in enumerate(output.scheduled):
             try:
                 alone = self.runner.execute(SchedulerOutput([item]))
             except Exception as exc:
                 failed.append((item, exc))
                 continue
-            if alone.sample_items:
+            if alone.sample_items and alone.logits is not None:
                 merged.sample_items.append(i)
                 logits.append(alone.logits)
             if alone.prompt_logprobs:

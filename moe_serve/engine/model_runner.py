@@ -1,6 +1,6 @@
-"""The runner: the scheduler's decision for a step -> one token-packed forward -> what the step produced
-(next-token logits, prompt log-likelihoods, class probabilities). `Runner` is the interface an engine
-drives; `TorchRunner` runs the PyTorch model, engine.onnx_runner.OnnxRunner an exported ONNX graph.
+"""The torch backend's runner: the scheduler's decision for a step -> one token-packed forward through the
+PyTorch model -> what the step produced (next-token logits, prompt log-likelihoods, class probabilities).
+It implements engine.runner.Runner, the interface the engine drives.
 
 Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary, D hidden.
 """
@@ -8,69 +8,17 @@ Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from moe_serve.engine.kv_cache import CacheShape, KVCache
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.runner import StepResult, score_logprobs, score_targets
+from moe_serve.engine.scheduler import SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.models import MoETransformer
 from moe_serve.moe_policy import KSpec
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Per scheduled item (by its index in SchedulerOutput.scheduled)."""
-
-    sample_items: list[int] = field(default_factory=list)  # items whose sequence needs a next token
-    logits: torch.Tensor | None = None  # [len(sample_items), V] fp32, in that order
-    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)  # SCORE: log p of the chunk's next tokens
-    prompt_top_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # SCORE: alternatives
-    class_probs: dict[int, list[float]] = field(default_factory=dict)  # CLASSIFY
-    experts: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)  # (tokens, experts per MoE layer)
-
-
-def score_targets(item: ScheduledSequence) -> list[int]:
-    """The next prompt token of each position in a SCORE chunk (the last chunk's last position predicts
-    nothing)."""
-    return item.seq.token_ids[item.start + 1 : item.end + 1]
-
-
-def chunk_logprobs(
-    logits: torch.Tensor, targets: list[int], item: ScheduledSequence
-) -> tuple[list[float], list[dict[int, float]]]:
-    """logits [len(targets), V] of a SCORE chunk's positions -> log p(target) at each, and the
-    `params.logprobs` most likely tokens at each when asked for."""
-    if not targets:
-        return [], []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    index = torch.tensor(targets, device=logits.device)[:, None]
-    values = logprobs.gather(1, index)[:, 0].tolist()
-    if not item.seq.params.logprobs:
-        return values, []
-    top_values, top_ids = logprobs.topk(item.seq.params.logprobs, dim=-1)
-    tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
-    return values, tops
-
-
-class Runner(Protocol):
-    def execute(self, output: SchedulerOutput) -> StepResult: ...
-
-    def prompt_seconds(self, num_tokens: int, k: int) -> float:
-        """The time one prompt of num_tokens takes through the model (the scheduler's cost calibration)."""
-        ...
-
-    def track_expert_load(self) -> None:
-        """Start counting the tokens routed to each expert (engine.expert_load reads them after each step)."""
-        ...
-
-    def read_expert_load(self) -> dict[int, list[int]]:
-        """MoE layer -> tokens routed to each expert since the last read (resets the counts)."""
-        ...
 
 
 class TorchRunner:
@@ -97,7 +45,10 @@ class TorchRunner:
         assert all(item.seq.uses_kv_cache == uses_cache for item in items), (
             "a step never mixes cached and encoder inputs"
         )
-        token_ids, positions, seq_ids, slots = [], [], [], []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seq_ids: list[int] = []
+        slots: list[int] = []
         block_size = self.cache.shape.block_size if self.cache is not None else 0
         for s, item in enumerate(items):
             seq = item.seq
@@ -112,7 +63,7 @@ class TorchRunner:
         batch = self._batch(
             positions,
             seq_ids,
-            [item.seq.spec for item in items],
+            [item.seq.k_spec for item in items],
             lens,
             num_keys,
             [item.seq.block_table for item in items] if uses_cache else None,
@@ -152,7 +103,7 @@ class TorchRunner:
             slot_mapping=slot_mapping,
         )
         caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
-        states = self.cache.router_states if caches is not None else None
+        states = self.cache.router_states if (caches is not None and self.cache is not None) else None
         block_size = self.cache.shape.block_size if self.cache is not None else 0
         per_token = torch.tensor(lens, device=device)
 
@@ -167,8 +118,8 @@ class TorchRunner:
                 min_k=tokens([spec.lowest for spec in specs], torch.int64),
                 experts_used=torch.zeros(self.config.num_layers, len(specs), dtype=torch.int64, device=device),
             )
-        top_k = tokens([spec.k for spec in specs], torch.int64)
-        return ForwardBatch(attention, top_k, max(spec.k for spec in specs), caches, states, block_size, adaptive)
+        token_k = tokens([spec.k for spec in specs], torch.int64)
+        return ForwardBatch(attention, token_k, max(spec.k for spec in specs), caches, states, block_size, adaptive)
 
     def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int] | None]]:
         """Tokens each scheduled sequence computed in this step and, when a top-p policy ran, the experts
@@ -191,16 +142,24 @@ class TorchRunner:
             probs = torch.softmax(self.model.class_logits(hidden, lens), dim=-1).tolist()
             result.class_probs = dict(zip(classify, probs, strict=True))
             return result
+        scored: list[int] = []  # SCORE items
+        score_rows: list[int] = []  # the rows of their targets' positions, every item's, in one lm_logits
         for i, item in enumerate(output.scheduled):
             seq = item.seq
             if seq.kind is SequenceKind.SCORE:
-                targets = score_targets(item)
-                logits = self.model.lm_logits(hidden[start : start + len(targets)])  # [n, V]
-                result.prompt_logprobs[i], result.prompt_top_logprobs[i] = chunk_logprobs(logits, targets, item)
+                scored.append(i)
+                score_rows += range(start, start + len(score_targets(item)))
             elif item.completes_prompt:
                 result.sample_items.append(i)
                 rows.append(start + item.num_tokens - 1)
             start += item.num_tokens
+        if scored:
+            logits = self.model.lm_logits(
+                hidden[torch.tensor(score_rows, dtype=torch.long, device=hidden.device)]
+            )  # [N, V]
+            per_item = score_logprobs(logits, [output.scheduled[i] for i in scored])
+            for i, (values, tops) in zip(scored, per_item, strict=True):
+                result.prompt_logprobs[i], result.prompt_top_logprobs[i] = values, tops
         if rows:
             last = hidden[torch.tensor(rows, device=hidden.device)]  # [R, D]
             result.logits = self.model.lm_logits(last)  # [R, V] fp32

@@ -1,5 +1,5 @@
-"""The onnxruntime backend (`--backend onnxruntime`, DESIGN §12): the engine's Runner over an exported graph
-(moe_serve.onnx_model documents its interface). The scheduler, the block manager, sampling and
+"""The onnxruntime backend (`--backend onnxruntime`, docs/architecture.md §7): the engine's Runner over an
+exported graph (moe_serve.onnx_model documents its interface). The scheduler, the block manager, sampling and
 detokenizing are the engine's own; only the forward pass changes.
 
 The graph carries keys and values between runs as padded [B, G, P, Dh] arrays, while the engine thinks in
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from moe_serve.engine.kv_cache import CacheShape
-from moe_serve.engine.model_runner import StepResult, chunk_logprobs, score_targets
+from moe_serve.engine.runner import StepResult, chunk_logprobs, score_targets
 from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.onnx_model import INPUTS, OnnxModel, past_names
@@ -37,6 +37,7 @@ class OnnxRunner:
         self.pool: list[torch.Tensor] = []  # per layer, keys then values: [slots, G, Dh] fp32
         if self.config.is_causal:
             slots = cache_shape.num_tokens
+            assert self.config.num_kv_heads is not None and self.config.head_dim is not None  # completed by ModelConfig
             dims = (slots, self.config.num_kv_heads, self.config.head_dim)
             # torch.empty: pages are committed as slots are first written; nothing reads a slot before that.
             self.pool = [torch.empty(dims, dtype=torch.float32) for _ in range(2 * self.config.num_layers)]
@@ -118,7 +119,8 @@ class OnnxRunner:
         return outputs[:-1]
 
     def track_expert_load(self) -> None:
-        self.expert_load = np.zeros((len(self.config.moe_layers), self.config.moe.num_experts), dtype=np.int64)
+        num_experts = self.config.moe.num_experts if self.config.moe is not None else 0
+        self.expert_load = np.zeros((len(self.config.moe_layers), num_experts), dtype=np.int64)
 
     def read_expert_load(self) -> dict[int, list[int]]:
         if self.expert_load is None:

@@ -18,8 +18,8 @@ def classification_output(config: ModelConfig, seq: Sequence) -> ClassificationO
     return ClassificationOutput(
         labels[best],
         dict(zip(labels, probs, strict=True)),
-        config.reported_k(seq.spec),
-        config.is_approximate(seq.spec),
+        config.reported_k(seq.k_spec),
+        config.is_approximate(seq.k_spec),
         seq.experts(config.moe_layers),
     )
 
@@ -34,7 +34,7 @@ def score_output(config: ModelConfig, tokenizer: Tokenizer, seq: Sequence, keep_
         num_tokens=len(ids) - 1,
         num_bytes=num_bytes,
         bits_per_byte=-total / math.log(2) / max(num_bytes, 1),
-        experts_per_token=config.reported_k(seq.spec),
+        experts_per_token=config.reported_k(seq.k_spec),
         token_logprobs=list(per_token) if keep_tokens else None,
         top_logprobs=list(seq.prompt_top_logprobs) if keep_tokens and seq.params.logprobs else None,
         experts=seq.experts(config.moe_layers),

@@ -6,29 +6,37 @@ Policy (vLLM's, with one addition):
 - When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and
   it is recomputed later (its full blocks usually come back from the prefix cache).
 - While decodes run, a prompt's chunk is sized so that the step costs at most `max_join_stall` decode steps
-  (StepCosts: seconds per decode step, measured online; a chunk's seconds from its tokens and their
-  attention context, both rates calibrated at start-up and refitted online), so a long prompt
+  (engine.step_costs.StepCosts: seconds per decode step, measured online; a chunk's seconds from its tokens
+  and their attention context, both rates calibrated at start-up and refitted online), so a long prompt
   joining never stalls the decodes; with nothing decoding, chunks take the whole budget.
+- Long prompts share the engine (vLLM's partial-prefill limits): a prompt of more than
+  `long_prefill_threshold` tokens is long while it is prefilled. At most `max_long_prefills` long prompts are
+  in progress at once; a long prompt waiting behind them is skipped, not admitted, so that the short requests
+  queued behind it (a completion behind the 16 inputs of one /v1/score) are admitted at once. A long prompt's
+  chunk is at most `long_prefill_chunk` tokens and, deeper in the prompt, at most what they cost from its
+  start (beside decodes, or a request admitted in the same step: the join-stall room, down to one token), so
+  that a step stays short even when nothing decodes and a newly arrived request waits at most one short step;
+  long chunks take what the step has left after the decodes, the short prompts and the admissions. When long
+  prompts are all a step runs (bulk scoring), their chunk may cost `long_prefill_alone_seconds` instead: as
+  fast as before the limits (per-step overhead is a few ms), and a request arriving meanwhile waits at most
+  that long for the step in flight.
 - Classification inputs need their whole input in one step (bidirectional attention): they run when they
-  fit the budget and take no KV blocks.
+  fit the budget and take no KV blocks; a long one (whole, it cannot be capped) takes a long slot for its step.
 Nothing here touches tensors: the scheduler unit-tests without a model.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
+from moe_serve.engine.step_costs import StepCosts
 
-# Chunks aim this far under the stall bound: a chunk's cost is an estimate, and the bound is a promise about
-# the longest step. On the 2-vCPU development VM a plain decode step alone runs 1.2-1.5x its median at the
-# 90th-99th percentile, so the estimate needs that much room: at 0.7 a 512-token prompt joining 16 tiny
-# decodes measured 2.5-3.5 decode steps, repetition to repetition, against the bound of 3.
-ROOM_MARGIN = 0.6
+# Steps of long prompts alone before their chunks may take long_prefill_alone_seconds: about 0.1-0.2 s of
+# capped steps, longer than the gap between a client's one request and its next.
+QUIET_STEPS_BEFORE_LONG_CHUNKS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +45,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens in one step
     max_join_stall: float = 3.0  # a step with prefill costs at most this many decode steps (while decoding)
     min_chunk: int = 16  # smallest prefill chunk, so that a prompt always progresses
+    long_prefill_threshold: int = 512  # a longer prompt is long while it is prefilled
+    long_prefill_chunk: int = 128  # a long prompt's chunk: at most this many tokens, and what they cost from 0
+    max_long_prefills: int = 1  # long prompts in progress at once (more wait, skipped by shorter ones)
+    # When long prompts are all a step runs, their chunks may cost this many seconds (bulk scoring keeps its
+    # throughput; a request arriving meanwhile waits at most this long for the step in flight).
+    long_prefill_alone_seconds: float = 0.2
 
 
 @dataclass(slots=True)
@@ -78,97 +92,6 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.is_decode)
 
 
-class StepCosts:
-    """What steps cost, from measured steps. A decode-only step: measured online. A prefill chunk of n
-    tokens starting at position s: n * per_token + n * (s + n / 2) * per_pair, the second term its attention
-    (each token reads s + its index keys). A per-token average alone would let a long prompt's first chunk
-    stall the decodes: its tokens cost more than the short prompts' the average was learned from.
-
-    Both rates are fitted online, by least squares over the measured prefill steps with older steps
-    forgotten (weight FORGET per step), starting from the shape `calibrate` measured at start-up. The
-    start-up shape alone is not enough: it times cache-free prompts from position 0, while a joining
-    prompt's later chunks attend over the paged cache, which costs more per key (tiny benchmark model:
-    calibrated per_pair / per_token ~0.0003, measured ~0.001, and the last chunks of a 512-token prompt
-    ran 10-20% over their estimate)."""
-
-    FORGET = 0.8  # an observation's weight after each newer one (the EMA weight of a new one: 0.2)
-    ANCHOR = 0.01  # pull towards the current rates, relative to the data's own weight
-
-    def __init__(self) -> None:
-        self.decode_step: float | None = None  # seconds per step that only decodes
-        self.per_token: float | None = None  # seconds per prefilled token, at context 0
-        self.pair_ratio = 0.0  # per_pair / per_token
-        # Forgetting sums of the normal equations of seconds ~ per_token * tokens + per_pair * pairs:
-        # tokens^2, tokens * pairs, pairs^2, tokens * seconds, pairs * seconds.
-        self._sums = [0.0] * 5
-
-    def calibrate(self, seconds_for: Callable[[int], float], short: int, long: int) -> None:
-        """The shape from two timed prompts, `short` and `long` tokens, each from position 0."""
-        if long <= short:
-            return
-        per_short, per_long = seconds_for(short) / short, seconds_for(long) / long
-        per_pair = max(2.0 * (per_long - per_short) / (long - short), 0.0)
-        self.per_token = max(per_short - per_pair * short / 2, per_short / 2)
-        self.pair_ratio = per_pair / self.per_token
-
-    def chunk_seconds(self, n: int, start: int) -> float:
-        assert self.per_token is not None
-        return n * self.per_token * (1.0 + self.pair_ratio * (start + n / 2))
-
-    def tokens_within(self, seconds: float, start: int) -> int:
-        """The most prefill tokens from position `start` that cost at most `seconds`."""
-        assert self.per_token is not None
-        a = self.per_token * (1.0 + self.pair_ratio * start)
-        b = self.per_token * self.pair_ratio  # n * (a + b * n / 2) <= seconds
-        if b == 0.0:
-            return int(seconds / a)
-        return int((-a + math.sqrt(a * a + 2.0 * b * seconds)) / b)
-
-    def observe(self, output: SchedulerOutput, seconds: float) -> None:
-        prefill, decodes = output.num_prefill_tokens, output.num_decodes
-        if prefill == 0:
-            self.decode_step = ema(self.decode_step, seconds)
-            return
-        if decodes and self.decode_step is None:
-            return
-        prefill_seconds = max(seconds - (self.decode_step if decodes else 0.0), 0.0)
-        chunks = [(s.num_tokens, s.start) for s in output.scheduled if not s.is_decode]
-        self._fit(sum(n for n, _ in chunks), sum(n * (start + n / 2) for n, start in chunks), prefill_seconds)
-
-    def _fit(self, tokens: float, pairs: float, seconds: float) -> None:
-        """Add one step to the forgetting least-squares fit and re-solve for both rates."""
-        terms = (tokens * tokens, tokens * pairs, pairs * pairs, tokens * seconds, pairs * seconds)
-        self._sums = [self.FORGET * old + new for old, new in zip(self._sums, terms, strict=True)]
-        if self.per_token is None:  # no calibration (stateful routers): the first step gives the level
-            self.per_token = seconds / tokens
-        # (G + a D) rates = rhs + a D current, D = diag(G): where the steps so far do not tell the two rates
-        # apart (every chunk at the same context), the rates stay near the current ones instead of
-        # swinging along the line the data leave open.
-        g11, g12, g22, r1, r2 = self._sums
-        d1, d2 = self.ANCHOR * g11, self.ANCHOR * g22
-        a11, a22 = g11 + d1, g22 + d2
-        r1, r2 = r1 + d1 * self.per_token, r2 + d2 * self.per_token * self.pair_ratio
-        det = a11 * a22 - g12 * g12
-        per_token, per_pair = (r1 * a22 - g12 * r2) / det, (a11 * r2 - g12 * r1) / det
-        if per_pair < 0.0:  # attention never makes tokens cheaper: refit the level alone
-            per_token, per_pair = r1 / a11, 0.0
-        if per_token <= 0.0:  # noise in tiny steps: keep the last positive rates
-            return
-        self.per_token, self.pair_ratio = per_token, per_pair / per_token
-
-    def prefill_room(self, max_stall: float, num_decodes: int) -> float | None:
-        """Seconds of prefill a step with decodes may spend and stay under max_stall decode steps (None:
-        nothing decodes, or the costs are not known yet)."""
-        if not num_decodes or self.decode_step is None or not self.per_token:
-            return None
-        return (max_stall - 1.0) * self.decode_step * ROOM_MARGIN
-
-
-def ema(old: float | None, new: float, weight: float = 0.2) -> float:
-    """Exponential moving average: `new` weighs `weight`; the first value starts it."""
-    return new if old is None else (1 - weight) * old + weight * new
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
@@ -176,6 +99,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
+        self._quiet_steps = 0  # consecutive steps that ran long prompts only
+        self._budget = 0  # tokens left in the step being scheduled
+        self._room: float | None = None  # seconds of prefill left beside its decodes (None: nothing decodes)
+        self._long_room: float | None = None  # seconds left to long chunks when nothing decodes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -183,46 +110,117 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def is_long(self, seq: Sequence, start: int | None = None) -> bool:
+        """A prompt of more than `long_prefill_threshold` tokens still being prefilled from `start` (default: what it
+        computed so far). Long by its length, not by what is left: a chunk late in a long prompt (or after a
+        long cached prefix) reads that many cached keys per token, and costs more the deeper it is."""
+        computed = seq.num_computed_tokens if start is None else start
+        return seq.num_tokens > self.config.long_prefill_threshold and computed < seq.num_tokens - 1
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         num_decodes = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
-        room = self.costs.prefill_room(self.config.max_join_stall, num_decodes)  # seconds
+        # Seconds of prefill this step may spend beside the decodes (None: nothing decodes).
+        self._room = self.costs.prefill_room(self.config.max_join_stall, num_decodes)
+        # When nothing else runs, a long chunk costs at most what long_prefill_chunk tokens cost at the start of a
+        # prompt: deeper chunks get fewer tokens, so a request arriving meanwhile waits at most one such step
+        # (None: the costs are not known yet; the token cap alone bounds the chunk then).
+        self._long_room = None
+        self._long_alone = False  # set while long prompts are all this step runs
+        if self.costs.per_token:  # (1 + 1e-9): so that long_prefill_chunk tokens fit at position 0, despite rounding
+            self._long_room = self.costs.chunk_seconds(self.config.long_prefill_chunk, 0) * (1 + 1e-9)
+        self._budget = self.config.max_num_batched_tokens
+        # Long prompts in progress go last: their chunks take what decodes, short prompts and admissions leave.
+        longs = [seq for seq in self.running if self.is_long(seq)]
+        self._run([seq for seq in self.running if not self.is_long(seq)], out)
+        self._admit(self.config.max_long_prefills - len(longs), out)
+        # Long prompts alone for a while (a client sending request after request leaves no such gap): longer
+        # chunks, fewer steps. The first quiet steps stay short, so a request following its predecessor
+        # within a few steps never meets a long one.
+        self._quiet_steps = self._quiet_steps + 1 if not out.scheduled else 0
+        if self._quiet_steps > QUIET_STEPS_BEFORE_LONG_CHUNKS and self._long_room is not None:
+            self._long_room = max(self._long_room, self.config.long_prefill_alone_seconds)
+            self._long_alone = True
+        self._run(longs, out)
+        self._long_alone = False
+        return out
 
-        for seq in list(self.running):
-            if budget <= 0:
+    def _run(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        """The next chunk (or decode) of running sequences, in order, while the budget lasts."""
+        for seq in seqs:
+            if self._budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and room is not None:  # a prompt chunk while others decode
-                n, room = self._chunk(n, seq.num_computed_tokens, room)
+            n = self._fit(min(seq.num_tokens - seq.num_computed_tokens, self._budget), seq.num_computed_tokens, seq)
             if not self._reserve(seq, n, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
-            budget -= n
+            self._budget -= n
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, long_slots: int, out: SchedulerOutput) -> None:
+        """Waiting sequences, first come first served, while blocks, budget and sequence slots last; a long
+        prompt while no long slot is free is skipped (it keeps its place at the head of the queue)."""
+        skipped: list[Sequence] = []
+        while self.waiting and self._budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.kind is SequenceKind.CLASSIFY:
-                if seq.num_tokens > budget:
+                long = self.is_long(seq, 0)
+                if long and long_slots <= 0:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if seq.num_tokens > self._budget:
                     break
                 n, cached = seq.num_tokens, []
             else:
                 cached = [] if seq.needs_prompt_logits else self.blocks.cached_prefix(seq)
                 start = len(cached) * self.blocks.block_size
-                n = min(seq.num_tokens - start, budget)
-                if room is not None:
-                    n, room = self._chunk(n, start, room)
+                long = self.is_long(seq, start)
+                if long and long_slots <= 0:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                n = self._fit(min(seq.num_tokens - start, self._budget), start, seq)
                 if not self.blocks.can_allocate(seq, start + n, cached):
                     break
                 self.blocks.allocate(seq, start + n, cached)
+            long_slots -= long
+            beside = self.costs.prefill_room(self.config.max_join_stall, 1)
+            if not long and self._long_room is not None and beside is not None:
+                # It decodes from its next step: long chunks keep this step as short as if it did already.
+                self._long_room = min(self._long_room, beside)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
-            budget -= n
-        return out
+            self._budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _fit(self, n: int, start: int, seq: Sequence) -> int:
+        """The chunk of at most n tokens from `start` that `seq` runs this step. Under the join-stall room
+        while others decode (never fewer than min_chunk tokens, so that a prompt always progresses). A long
+        prompt's chunk: at most `long_prefill_chunk` tokens, and under the room too, beside decodes (or a short prompt
+        admitted this step) or, when nothing else runs, what long_prefill_chunk tokens cost from position 0; at least
+        one token (late in a long prompt even min_chunk tokens can cost many decode steps: each token reads
+        thousands of cached keys)."""
+        if n <= 1:  # a decode
+            return n
+        if not self.is_long(seq, start):
+            if self._room is not None:
+                n, self._room = self._chunk(n, start, self._room)
+            return n
+        if not self._long_alone:
+            n = min(n, self.config.long_prefill_chunk)
+        decoding = self._room is not None
+        room = self._room if decoding else self._long_room
+        if room is None:  # costs not known yet: the token cap alone
+            return n
+        n = max(min(n, self.costs.tokens_within(room, start)), 1)
+        left = max(room - self.costs.chunk_seconds(n, start), 0.0)
+        if decoding:
+            self._room = left
+        else:
+            self._long_room = left
+        return n
 
     def _chunk(self, n: int, start: int, room: float) -> tuple[int, float]:
         """At most n tokens from `start` that fit `room` seconds (never fewer than min_chunk), and the room left."""

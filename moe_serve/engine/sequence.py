@@ -35,7 +35,7 @@ class Sequence:
     index: int  # which completion of its request
     token_ids: list[int]  # the prompt, then the generated tokens
     num_prompt_tokens: int
-    routing: KSpec | int  # experts per token: a fixed k or a top-p policy (an int is a fixed k)
+    k_spec: KSpec  # the request's k: a fixed k, a top-p policy or "auto" (an int given here becomes a fixed k)
     kind: SequenceKind = SequenceKind.GENERATE
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
@@ -64,25 +64,21 @@ class Sequence:
     auto_experts: int = 0  # experts_per_token "auto": the sum over steps of the step's k times its tokens
 
     def __post_init__(self) -> None:
-        self.routing = KSpec.of(self.routing)
+        self.k_spec = KSpec.of(self.k_spec)
 
     @property
     def k(self) -> int:
         """The most experts a token may take (its fixed k, or its policy's max)."""
-        return self.routing.k  # type: ignore[union-attr]  # a KSpec after __post_init__
-
-    @property
-    def spec(self) -> KSpec:
-        return self.routing  # type: ignore[return-value]
+        return self.k_spec.k
 
     def add_experts(self, tokens: int, per_layer: list[int] | None) -> None:
         """A step's count: its tokens, and under a policy the experts they took per MoE layer (a fixed k's
         follow from the tokens: see `experts`; under "auto", the k the step ran it with, in every layer)."""
         self.expert_tokens += tokens
-        if self.spec.auto:
+        if self.k_spec.auto:
             self.auto_experts += self.k * tokens
             return
-        if per_layer is None or not self.spec.adaptive:
+        if per_layer is None or not self.k_spec.adaptive:
             return
         if not self.experts_per_layer:
             self.experts_per_layer = [0] * len(per_layer)
@@ -92,9 +88,9 @@ class Sequence:
         """What its tokens took so far (None for a model without MoE layers)."""
         if not moe_layers:
             return None
-        if self.spec.adaptive:
+        if self.k_spec.adaptive:
             per_layer = self.experts_per_layer or [0] * len(moe_layers)
-        elif self.spec.auto:
+        elif self.k_spec.auto:
             per_layer = [self.auto_experts] * len(moe_layers)
         else:
             per_layer = [self.k * self.expert_tokens] * len(moe_layers)
@@ -121,7 +117,7 @@ class Sequence:
         """What else than the tokens the cached keys and values depend on: the request's k spec. An "auto"
         sequence's blocks may hold keys computed at several k (k changes between steps): they are shared
         only among "auto" sequences, never with a fixed k or a policy, whose results must not depend on load."""
-        return hash(("k", "auto")) if self.spec.auto else hash(("k", self.routing))
+        return hash(("k", "auto")) if self.k_spec.auto else hash(("k", self.k_spec))
 
     @property
     def is_finished(self) -> bool:

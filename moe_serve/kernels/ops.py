@@ -8,13 +8,15 @@ D hidden, I intermediate, R relative distances, NB blocks, BS block size.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
-from moe_serve.kernels import cpu_extension
+from moe_serve.kernels import cpu_extension, graph
+from moe_serve.kernels.graph import GraphCache, PaddedBatch
 
 LINEAR_MAX_ROWS = 64  # up to this many rows the C++ kernel (weights streamed once); above, MKL's GEMM
 
@@ -22,7 +24,11 @@ ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
 
 def _cpu_ext(x: torch.Tensor):
-    return cpu_extension() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    """The C++ kernels when they apply: CPU, float32, and not under the ONNX export's tracer (which
+    records plain torch ops only; the graph family, moe_serve.kernels.graph, takes over there)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.jit.is_tracing():
+        return None
+    return cpu_extension()
 
 
 # ---- linear -----------------------------------------------------------------------------------------
@@ -40,7 +46,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ext = _cpu_ext(x)
     if ext is not None and weight.dtype == torch.float32:
         return ext.rms_norm(x, weight, eps)
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+    # F.rms_norm is one fused op, but ONNX (opset 17) has no RMSNormalization: traced, it is written out.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.jit.is_tracing():
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     x32 = x.float()
     return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
@@ -48,32 +55,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ---- routing ----------------------------------------------------------------------------------------
 
-ROUTE_MODES = {"softmax_chosen": 0, "softmax_all": 1, "uniform": 2}
+
+class Weighting(enum.IntEnum):
+    """How a router weighs the experts it chose: softmax over the chosen logits, each chosen expert's
+    full-softmax probability (whose sum shrinks with k), or exactly 1/k. A router kind names its weighting
+    (moe_serve.layers.routers); the values are the C++ kernel's codes (its `weighting_codes()`)."""
+
+    SOFTMAX_CHOSEN = 0
+    SOFTMAX_ALL = 1
+    UNIFORM = 2
 
 
-def topk_route(logits: torch.Tensor, top_k: torch.Tensor, max_k: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route(
+    logits: torch.Tensor, token_k: torch.Tensor, max_k: int, weighting: Weighting
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The max_k largest logits per row (ties to the lower index) -> ids [R, K] (-1 beyond a row's k) and
-    weights [R, K]: softmax over the chosen (softmax_chosen), their full-softmax probability (softmax_all),
-    or exactly 1/k (uniform)."""
+    weights [R, K] by `weighting` (0 beyond a row's k; a row with k = 0, padding in a graph, has none)."""
     ext = _cpu_ext(logits)
     if ext is not None:
-        ids, weights = ext.topk_route(logits, top_k, max_k, ROUTE_MODES[mode])
+        ids, weights = ext.topk_route(logits, token_k, max_k, int(weighting))
         return ids, weights
-    return topk_route_torch(logits, top_k, max_k, mode)
+    return topk_route_torch(logits, token_k, max_k, weighting)
 
 
 def topk_route_torch(
-    logits: torch.Tensor, top_k: torch.Tensor, max_k: int, mode: str
+    logits: torch.Tensor, token_k: torch.Tensor, max_k: int, weighting: Weighting
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    topk_logits, topk_ids = sorted_logits[:, :max_k], order[:, :max_k]  # [R, K]
-    used = torch.arange(max_k, device=logits.device)[None, :] < top_k[:, None]  # [R, K]
-    if mode == "uniform":
-        weights = used.float() / top_k[:, None].float()
-    elif mode == "softmax_all":
+    if torch.jit.is_tracing():  # ONNX has no stable sort; its TopK puts ties at the lower index too
+        topk_logits, topk_ids = torch.topk(logits, max_k, dim=-1)
+    else:  # a stable sort puts ties in index order
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        topk_logits, topk_ids = sorted_logits[:, :max_k], order[:, :max_k]  # [R, K]
+    used = torch.arange(max_k, device=logits.device)[None, :] < token_k[:, None]  # [R, K]
+    if weighting is Weighting.UNIFORM:
+        weights = used.float() / token_k.clamp(min=1)[:, None].float()
+    elif weighting is Weighting.SOFTMAX_ALL:
         weights = torch.softmax(logits, dim=-1).gather(1, topk_ids) * used
     else:
         weights = torch.softmax(topk_logits.masked_fill(~used, float("-inf")), dim=-1)
+        weights = torch.where(used, weights, torch.zeros_like(weights))  # a k = 0 row is all -inf: NaN
     return topk_ids.masked_fill(~used, -1), weights
 
 
@@ -111,6 +131,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """x [T, D], topk_ids [T, K] (-1: slot unused), topk_weights [T, K] fp32 -> [T, D]: the weighted sum of
     each token's experts, combined in slot order."""
+    if torch.jit.is_tracing():  # the ONNX export: shapes that follow the routing, no host sync
+        return graph.moe_experts(x, topk_ids, topk_weights, bank)
     ext = _cpu_ext(x)
     if ext is not None and bank.w1.dtype in (torch.float32, torch.bfloat16):
         return ext.moe_experts(
@@ -227,11 +249,17 @@ def rotary_write(
     k: torch.Tensor,
     v: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
-    cache: tuple[torch.Tensor, torch.Tensor] | None,
-    slot_mapping: torch.Tensor | None,
+    cache: tuple[torch.Tensor, torch.Tensor] | GraphCache | None,
+    batch: AttentionBatch | PaddedBatch | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, H, Dh] and k [T, G, Dh] (cos, sin [T, Dh]), and k, v stored at their cache
-    slots -> (q, k) rotated."""
+    slots (batch.slot_mapping; no batch: no cache, as in the vLLM plugin, whose attention owns it) -> (q, k)
+    rotated."""
+    if isinstance(batch, PaddedBatch):
+        assert not isinstance(cache, tuple)
+        return graph.rotary_write(q, k, v, rotary, cache, batch)
+    assert not isinstance(cache, GraphCache)
+    slot_mapping = batch.slot_mapping if batch is not None else None
     ext = _cpu_ext(q)
     if ext is not None and (cache is None or cache[0].dtype == torch.float32):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -246,7 +274,8 @@ def rotary_write(
     if cache is not None:
         k_cache, v_cache = cache
         block_size = k_cache.shape[-1]
-        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # type: ignore[operator]
+        assert slot_mapping is not None
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
         v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
     return q, k
@@ -256,13 +285,17 @@ def attention(
     q: torch.Tensor,  # [T, H, Dh]
     k: torch.Tensor,  # [T, G, Dh] this step's keys (already in the cache when there is one)
     v: torch.Tensor,
-    batch: AttentionBatch,
-    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    batch: AttentionBatch | PaddedBatch,
+    cache: tuple[torch.Tensor, torch.Tensor] | GraphCache | None,
     causal: bool,
     scale: float,
     relative: RelativeTerm | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh]."""
+    if isinstance(batch, PaddedBatch):
+        assert not isinstance(cache, tuple)
+        return graph.attention(q, k, v, batch, cache, causal, scale, relative)
+    assert not isinstance(cache, GraphCache)
     ext = _cpu_ext(q)
     rel = (relative.q_rel, relative.r_kt, relative.offset) if relative is not None else (None, None, 0)
     if ext is not None and (cache is None or (cache[0].dtype == torch.float32 and cache[0].shape[-1] % 16 == 0)):
@@ -342,3 +375,49 @@ def gather_sequence(
     keys = k_cache[blocks].permute(0, 3, 1, 2).reshape(-1, *k_cache.shape[1:3])[:num_keys]
     values = v_cache[blocks].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:num_keys]
     return keys, values
+
+
+# ---- per-sequence ops (routers that decide once per input): packed here, padded in kernels.graph -----
+
+
+def sequence_means(x: torch.Tensor, batch: AttentionBatch | PaddedBatch) -> torch.Tensor:
+    """x [T, D] -> each sequence's mean token [S, D] fp32."""
+    if isinstance(batch, PaddedBatch):
+        return graph.sequence_means(x, batch)
+    return torch.stack([part.float().mean(0) for part in x.split(batch.seq_lens)])
+
+
+def sequence_lengths(batch: AttentionBatch | PaddedBatch) -> torch.Tensor:
+    """[S] tokens of each sequence in the step."""
+    if isinstance(batch, PaddedBatch):
+        return graph.sequence_lengths(batch)
+    return torch.tensor(batch.seq_lens, device=batch.positions.device)
+
+
+def to_tokens(values: torch.Tensor, batch: AttentionBatch | PaddedBatch) -> torch.Tensor:
+    """values [S, ...] -> [T, ...]: each sequence's value for each of its tokens."""
+    if isinstance(batch, PaddedBatch):
+        return graph.to_tokens(values, batch)
+    return values.repeat_interleave(sequence_lengths(batch), dim=0)
+
+
+def merge(
+    weights: torch.Tensor, ids: torch.Tensor, param: torch.Tensor, batch: AttentionBatch | PaddedBatch
+) -> torch.Tensor:
+    """weights [S, K], ids [S, K] (clamped: an unused slot has weight 0), param [E, ...] -> [S, ...]: each
+    sequence's weighted average of its chosen experts' parameter (SMEAR's merge). One sequence at a time in
+    the engine, so a sequence's merge never depends on its batch."""
+    if isinstance(batch, PaddedBatch):
+        return graph.merge(weights, ids, param, batch)
+    merged = [torch.einsum("k,k...->...", w.to(param.dtype), param[i]) for w, i in zip(weights, ids, strict=True)]
+    return torch.stack(merged)
+
+
+def sequence_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: AttentionBatch | PaddedBatch
+) -> torch.Tensor:
+    """x [T, in], weight [S, out, in], bias [S, out] -> [T, out]: each sequence's tokens through its own map."""
+    if isinstance(batch, PaddedBatch):
+        return graph.sequence_linear(x, weight, bias, batch)
+    parts = x.split(batch.seq_lens)
+    return torch.cat([linear(part, weight[s], None if bias is None else bias[s]) for s, part in enumerate(parts)])

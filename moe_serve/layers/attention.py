@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import hugepages, ops
+from moe_serve.kernels.graph import GraphCache
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
@@ -129,13 +130,16 @@ class Attention(nn.Module):
             positions = batch.attention.positions
             rotary = (self._rotary[0][positions], self._rotary[1][positions])  # cos, sin [T, Dh]
         cache = None if batch.kv_caches is None else batch.kv_caches[layer]
-        q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention.slot_mapping)
+        q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention)
         relative = None
         if self._r_k is not None:
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
-        inputs = AttentionInputs(q, k, v, relative, self.scale, cache, self.o_proj.weight) if keep_inputs else None
+        inputs = None
+        if keep_inputs:  # the engine's paged steps only: no kind that reads attention exports to a graph
+            assert not isinstance(cache, GraphCache)
+            inputs = AttentionInputs(q, k, v, relative, self.scale, cache, self.o_proj.weight)
         return ops.linear(out.reshape(t, h * dh), *self._o), inputs  # type: ignore[misc]
 
 

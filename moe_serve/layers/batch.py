@@ -1,6 +1,6 @@
-"""What one forward pass over a token-packed batch needs besides the token ids: where each token's keys
-are (AttentionBatch), each token's k, and the caches. Built once per step by the runner, read by every
-layer; nothing global."""
+"""What one forward pass needs besides the token ids: where each token's keys are (AttentionBatch for the
+engine's token-packed steps, kernels.graph.PaddedBatch for the ONNX export's padded rows), each token's k,
+and the caches. Built once per step by the runner (or the export), read by every layer; nothing global."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.kernels.graph import GraphCache, PaddedBatch
 from moe_serve.kernels.ops import AttentionBatch
 
 
@@ -24,15 +25,23 @@ class AdaptiveK:
 
 @dataclass(frozen=True, slots=True)
 class ForwardBatch:
-    attention: AttentionBatch
-    top_k: torch.Tensor  # [T] experts per token (each token's request k; under top-p the most it may take)
-    max_k: int  # host int >= every top_k
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [NB, BS, G, Dh] x2; None: no cache
+    attention: AttentionBatch | PaddedBatch
+    token_k: torch.Tensor  # [T] experts per token (each token's request k; under top-p the most it may take)
+    max_k: int  # host int >= every token_k
+    # Per layer: the paged keys and values [NB, G, Dh, BS] and [NB, G, BS, Dh] (a GraphCache in the export).
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | list[GraphCache] | None = None  # None: no cache
     router_states: dict[int, torch.Tensor] | None = None  # MoE layer -> [NB * BS, state_size] (stateful routers)
     block_size: int = 0  # of the paged cache, when there is one
-    adaptive_k: AdaptiveK | None = None  # None: every token takes exactly its top_k
+    adaptive_k: AdaptiveK | None = None  # None: every token takes exactly its token_k
+    # [S] the k of each sequence; None: its first token's (a padded row's first token may be padding, k 0).
+    row_k: torch.Tensor | None = None
+    # When a list: each MoE layer appends its tokens per expert [N] int64 (the ONNX graph's expert_counts).
+    expert_counts: list[torch.Tensor] | None = None
 
     @property
-    def seq_top_k(self) -> torch.Tensor:
-        """[S] the k of each sequence (its first token's)."""
-        return self.top_k[self.attention.seq_starts]
+    def seq_k(self) -> torch.Tensor:
+        """[S] the k of each sequence."""
+        if self.row_k is not None:
+            return self.row_k
+        assert isinstance(self.attention, AttentionBatch)
+        return self.token_k[self.attention.seq_starts]

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
+from moe_serve.kernels.graph import PaddedBatch
+from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.model_config import FFNConfig
 
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -68,7 +70,7 @@ class ExpertBank(nn.Module):
         for name, (out_features, in_features, bias) in self.shapes.items():
             module = nn.Module()
             module.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-            module.bias = nn.Parameter(torch.zeros(num_experts, out_features)) if bias else None
+            module.register_parameter("bias", nn.Parameter(torch.zeros(num_experts, out_features)) if bias else None)
             self.add_module(name, module)
 
     def _weight(self, name: str) -> torch.Tensor:
@@ -93,20 +95,19 @@ class ExpertBank(nn.Module):
 
     def forward_merged(
         self,
-        x: torch.Tensor,  # [L, D] one sequence's tokens
-        topk_ids: torch.Tensor,  # [K] experts merged for the sequence, -1 beyond its k
-        topk_weights: torch.Tensor,  # [K] fp32 merge weights (sum to 1 over used slots)
+        x: torch.Tensor,  # [T, D] the tokens of S sequences
+        topk_ids: torch.Tensor,  # [S, K] experts merged for each sequence, -1 beyond its k
+        topk_weights: torch.Tensor,  # [S, K] fp32 merge weights (sum to 1 over used slots)
+        sequences: AttentionBatch | PaddedBatch,  # which tokens belong to which sequence
     ) -> torch.Tensor:
-        """Apply one expert whose parameters are the weighted average of the chosen experts' parameters
-        (SMEAR's parameter merging)."""
+        """Each sequence's tokens through one expert whose parameters are the weighted average of the
+        experts chosen for it (SMEAR's parameter merging)."""
         ids = topk_ids.clamp(min=0)  # unused slots carry weight 0
-        weights = topk_weights.to(x.dtype)
-
-        def merge(param: torch.Tensor) -> torch.Tensor:  # [E, ...] -> [...]
-            return torch.einsum("k,k...->...", weights, param[ids])
 
         def merged_linear(name: str, h: torch.Tensor) -> torch.Tensor:
             bias = self._bias(name)
-            return ops.linear(h, merge(self._weight(name)), None if bias is None else merge(bias))
+            weight = ops.merge(topk_weights, ids, self._weight(name), sequences)  # [S, out, in]
+            merged_bias = None if bias is None else ops.merge(topk_weights, ids, bias, sequences)
+            return ops.sequence_linear(h, weight, merged_bias, sequences)
 
         return apply_ffn(self.config, merged_linear, x)

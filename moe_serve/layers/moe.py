@@ -3,7 +3,7 @@
 
 Legend: T tokens of the step (packed), S sequences, N experts, K slots (the batch's largest k), D hidden.
 
-Router rules (DESIGN §3): logits in fp32; ties go to the lower expert index; no noise, no capacity limit.
+Router rules (docs/architecture.md §3): logits in fp32; ties go to the lower expert index; no noise, no capacity limit.
 Slots beyond a token's own k get id -1 and weight 0 and are never computed. Under a top-p policy a token's
 k is chosen here from its router probabilities (ops.top_p_k) before the router weighs the chosen, so every
 router mode applies unchanged to whatever k a token ends up with.
@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
+from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.attention import AttentionInputs
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN, ExpertBank
 from moe_serve.layers.norm import make_norm
-from moe_serve.layers.routers import Router, RouterState, router_class
+from moe_serve.layers.routers import PooledRouterConfig, Router, RouterState, router_class
 from moe_serve.layers.routers.hyper_expert import pattern_index
 from moe_serve.model_config import MoEConfig
 
@@ -29,15 +30,17 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.config = config
         self.router = nn.Linear(hidden_size, config.num_experts, bias=config.router.use_bias)
-        if config.router.input_norm is not None:
-            self.router_norm = make_norm(config.router.input_norm, hidden_size, norm_eps)
+        # A per-sequence kind routes its input's pooled mean, normed first when its settings say so.
+        self.input_norm = config.router.input_norm if isinstance(config.router, PooledRouterConfig) else None
+        if self.input_norm is not None:
+            self.router_norm = make_norm(self.input_norm, hidden_size, norm_eps)
         self.experts = ExpertBank(config.expert, hidden_size, config.num_experts)
         if config.shared_expert is not None:
             self.shared_expert = FFN(config.shared_expert, hidden_size)
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
-        self.routing: Router = router_class(config.router.kind)(config.router, config.num_experts)
-        self._stateful = type(self.routing).state_size(config.num_experts, hidden_size) > 0
+        self.router_kind: Router = router_class(config.router.kind)(config.router, config.num_experts)
+        self._stateful = type(self.router_kind).state_size(config.num_experts, hidden_size) > 0
         if config.hyper_expert is not None:  # HyperMoE: one adapter per selected set (routers.hyper_expert)
             self.hyper = ExpertBank(config.hyper_expert, hidden_size, config.num_patterns)
         # Tokens routed to each expert since the last read ([N] int64), when load tracking is on.
@@ -49,7 +52,15 @@ class MoEBlock(nn.Module):
         self._bank: ops.ExpertWeights | None = None
         self._hyper_bank: ops.ExpertWeights | None = None
 
-    def _count(self, topk_ids: torch.Tensor, tokens_per_row: torch.Tensor | None = None) -> None:
+    def _count(self, topk_ids: torch.Tensor, batch: ForwardBatch, tokens_per_row: torch.Tensor | None = None) -> None:
+        """Tokens routed to each expert: into expert_load (engine) and batch.expert_counts (ONNX graph).
+        tokens_per_row: a per-sequence decision stands for each of its tokens."""
+        if batch.expert_counts is not None:  # one-hot sums: no bincount, whose output size a trace cannot follow
+            experts = torch.arange(self.config.num_experts, device=topk_ids.device)
+            hits = topk_ids[..., None] == experts  # [R, K, N]; -1 (unused slot, padding) matches none
+            if tokens_per_row is not None:
+                hits = hits * tokens_per_row[:, None, None].long()
+            batch.expert_counts.append(hits.sum((0, 1)).to(torch.int64))
         if self.expert_load is None:
             return
         used = topk_ids >= 0
@@ -75,22 +86,26 @@ class MoEBlock(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, layer: int, attention: AttentionInputs | None = None
     ) -> torch.Tensor:
         """x [T, D] -> [T, D]; attention: the same layer's attention, for a router that reads it."""
-        if self.routing.per_sequence:
+        if self.router_kind.per_sequence:
             out = self._forward_per_sequence(x, batch)
         else:
             state = None
+            # Stateful kinds and top-p policies run in the engine's packed steps only (neither exports to a graph).
+            assert isinstance(batch.attention, AttentionBatch) or not (self._stateful or batch.adaptive_k)
             if self._stateful:
+                assert isinstance(batch.attention, AttentionBatch)
                 cache = batch.router_states[layer] if batch.router_states else None
                 moe_layer = self.config.layers.index(layer) if layer in self.config.layers else 0
                 state = RouterState(cache, batch.attention, batch.block_size, x, attention, moe_layer)
             logits = self.router_logits(x)
-            top_k = batch.top_k
+            token_k = batch.token_k
             if batch.adaptive_k is not None:  # only kinds with top_p_defined get here (moe_serve.engine.inputs)
                 adaptive = batch.adaptive_k
-                top_k = ops.top_p_k(logits, adaptive.cut, adaptive.min_k, top_k, batch.max_k)
-                adaptive.experts_used[layer].index_add_(0, batch.attention.seq_ids, top_k)
-            topk_ids, topk_weights = self.routing.route(logits, top_k, batch.max_k, state)
-            self._count(topk_ids)
+                assert isinstance(batch.attention, AttentionBatch)
+                token_k = ops.top_p_k(logits, adaptive.cut, adaptive.min_k, token_k, batch.max_k)
+                adaptive.experts_used[layer].index_add_(0, batch.attention.seq_ids, token_k)
+            topk_ids, topk_weights = self.router_kind.route(logits, token_k, batch.max_k, state)
+            self._count(topk_ids, batch)
             out = ops.moe_experts(x, self._bank_ids(topk_ids), topk_weights, self._bank or self.experts.weights())
             if self.config.hyper_expert is not None:
                 out = out + self._hyper_experts(x, topk_ids)
@@ -118,18 +133,12 @@ class MoEBlock(nn.Module):
     def _forward_per_sequence(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One routing decision per sequence from the mean of its tokens; every token of the sequence then
         goes through the merged expert (SMEAR), or through each chosen expert (example_topk)."""
-        lens = batch.attention.seq_lens
-        pooled = torch.stack([part.float().mean(0) for part in x.split(lens)])  # [S, D]
-        if self.config.router.input_norm is not None:
+        pooled = ops.sequence_means(x, batch.attention)  # [S, D] fp32
+        if self.input_norm is not None:
             pooled = self.router_norm(pooled)
-        topk_ids, topk_weights = self.routing.route(self.router_logits(pooled), batch.seq_top_k, batch.max_k)
-        lens_t = torch.tensor(lens, device=x.device)
-        self._count(topk_ids, lens_t)  # every token of a sequence uses its experts
-        if not self.routing.merges_experts:
-            ids, weights = topk_ids.repeat_interleave(lens_t, dim=0), topk_weights.repeat_interleave(lens_t, dim=0)
+        topk_ids, topk_weights = self.router_kind.route(self.router_logits(pooled), batch.seq_k, batch.max_k)
+        self._count(topk_ids, batch, ops.sequence_lengths(batch.attention))  # every token uses its experts
+        if not self.router_kind.merges_experts:
+            ids, weights = ops.to_tokens(topk_ids, batch.attention), ops.to_tokens(topk_weights, batch.attention)
             return ops.moe_experts(x, ids, weights, self._bank or self.experts.weights())
-        parts = [
-            self.experts.forward_merged(part, ids, weights)
-            for part, ids, weights in zip(x.split(lens), topk_ids, topk_weights, strict=True)
-        ]
-        return torch.cat(parts)
+        return self.experts.forward_merged(x, topk_ids, topk_weights, batch.attention)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from moe_serve.kernels import ops
-from moe_serve.model_config import NormKind
+
+NormKind = Literal["layernorm", "rmsnorm"]
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +27,12 @@ class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.dim = dim  # a constant, not x's traced size: an ONNX LayerNormalization normalises a fixed shape
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        out = F.layer_norm(x.float(), (self.dim,), self.weight.float(), self.bias.float(), self.eps)
         return out.to(x.dtype)
 
 

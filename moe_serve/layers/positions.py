@@ -34,10 +34,11 @@ def _yarn(dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) -> tu
             attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
         else:
             attention_factor = mscale(s.factor)
-    assert s.original_max_position_embeddings is not None
+    original = s.original_max_position_embeddings
+    assert original is not None  # RopeScaling requires it for yarn
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
     if s.truncate:

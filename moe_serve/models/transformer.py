@@ -8,6 +8,7 @@ Legend: T tokens of the step, S sequences, D hidden, V vocabulary, C classes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -22,13 +23,16 @@ from moe_serve.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, attention: nn.Module | None = None) -> None:
+    moe: MoEBlock  # MoE layers
+    ffn: FFN  # dense layers
+
+    def __init__(self, config: ModelConfig, index: int, attention: Attention | None = None) -> None:
         """attention: another runtime's attention for this layer (the vLLM plugin's); default moe-serve's."""
         super().__init__()
         self.index = index
         self.is_pre_norm = config.norm_position == "pre"
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.attn = attention if attention is not None else Attention(config)
+        self.attn: Attention = attention if attention is not None else Attention(config)
         self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
@@ -41,7 +45,7 @@ class DecoderLayer(nn.Module):
         return self.moe(x, batch, self.index, attention) if self.is_moe else self.ffn(x)
 
     def _attn(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionInputs | None]:
-        if self.is_moe and self.moe.routing.reads_attention:
+        if self.is_moe and self.moe.router_kind.reads_attention:
             return self.attn.forward_with_inputs(x, batch, self.index)
         return self.attn(x, batch, self.index), None
 
@@ -80,10 +84,14 @@ class MoETransformer(nn.Module):
                 self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
             self.classifier = nn.Linear(config.hidden_size, len(config.classifier.labels))
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
     @torch.no_grad()
     def prepare(self) -> None:
         """After the weights are loaded: fused projections and position tables (see Attention.prepare)."""
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.attn.prepare()
             if layer.is_moe:
                 layer.moe.prepare()
@@ -106,7 +114,7 @@ class MoETransformer(nn.Module):
 
     def track_expert_load(self) -> None:
         """Start counting tokens per expert in every MoE layer (read with `read_expert_load`)."""
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             if layer.is_moe:
                 layer.moe.expert_load = torch.zeros(
                     layer.moe.config.num_experts, dtype=torch.int64, device=self.embed_tokens.weight.device
@@ -115,7 +123,7 @@ class MoETransformer(nn.Module):
     def read_expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert per MoE layer since the last read; resets the counts."""
         loads = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             if layer.is_moe and layer.moe.expert_load is not None:
                 loads[i] = layer.moe.expert_load.tolist()
                 layer.moe.expert_load.zero_()
@@ -137,6 +145,11 @@ class MoETransformer(nn.Module):
             pooled = torch.stack([part.mean(0) for part in parts])
         else:
             pooled = torch.stack([part[0] if pooling == "first" else part[-1] for part in parts])
+        return self.classify(pooled)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Each input's pooled hidden state [S, D] -> class logits [S, C] in fp32."""
+        assert self.config.classifier is not None
         if self.config.classifier.pooler_dense:
             pooled = torch.tanh(self.pooler(pooled))
         return self.classifier(pooled).float()

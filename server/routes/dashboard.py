@@ -1,31 +1,55 @@
-"""GET /dashboard: a self-contained page (no CDN, no external script) with live latency by k, throughput,
-expert load, the served models' quality-vs-k curves and the k of "auto" requests over time; GET
-/dashboard/data is what it polls."""
+"""GET /dashboard: a self-contained page with live latency by k (per model and endpoint, over a recent window),
+generated tokens per second against time, expert load, the served models' quality-vs-k curves and the k of
+"auto" requests over time; GET /dashboard/data is what it polls.
+
+The charts are drawn by Chart.js and its matrix (heatmap) plugin, vendored here (chart.umd.min.js,
+chartjs-chart-matrix.min.js, MIT, licenses beside them) and inlined into the page when it is served: the
+page works offline, fetches nothing but /dashboard/data, and needs no path beyond the monitoring ones."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 
+from moe_serve.server.metrics import RECENT_SECONDS
+
 router = APIRouter()
-PAGE = Path(__file__).parent / "dashboard.html"
+HERE = Path(__file__).parent
+PAGE = HERE / "dashboard.html"
+VENDORED = ("chart.umd.min.js", "chartjs-chart-matrix.min.js")  # in this order: the plugin needs Chart
+WINDOW_SECONDS = 60.0  # latency quantiles are of the requests that finished in the last minute
+
+
+@cache
+def page() -> str:
+    scripts = "\n".join(f"<script>\n{(HERE / name).read_text(encoding='utf-8')}\n</script>" for name in VENDORED)
+    return PAGE.read_text(encoding="utf-8").replace("<!-- vendored scripts -->", scripts, 1)
 
 
 @router.get("/dashboard", response_class=HTMLResponse)
 async def dashboard() -> HTMLResponse:
-    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+    return HTMLResponse(page())
 
 
 @router.get("/dashboard/data")
-async def dashboard_data(request: Request) -> dict:
+async def dashboard_data(
+    request: Request, window: float = Query(WINDOW_SECONDS, ge=1, le=RECENT_SECONDS, description="seconds")
+) -> dict:
     ctx = request.app.state.ctx
     metrics = ctx.metrics
+    recent = metrics.recent
     return {
-        "latency_by_k": _quantiles_by_k(metrics.e2e.collect()),
-        "ttft_by_k": _quantiles_by_k(metrics.ttft.collect()),
-        "generated_tokens": _total(metrics.generation_tokens.collect(), "moe_serve_generation_tokens_total"),
+        "models": sorted(ctx.models),  # the page gives each model one colour, in this order, in every chart
+        "window_seconds": window,
+        # p50 / p95 / count by model, endpoint and k, of the last `window` seconds (not since start)
+        "latency": recent.latency(window),
+        "ttft": recent.ttft(window),
+        # generated tokens per second, per model, for each second of the last RECENT_SECONDS
+        "throughput": recent.throughput(RECENT_SECONDS),
+        "generated_tokens": _by_model(metrics.generation_tokens.collect(), "moe_serve_generation_tokens_total"),
         "running": {name: m.engine.num_running for name, m in ctx.models.items()},
         "waiting": {name: m.engine.num_waiting for name, m in ctx.models.items()},
         # The k experts_per_token "auto" runs with now, per model with a latency target: the page plots it
@@ -45,38 +69,10 @@ async def dashboard_data(request: Request) -> dict:
     }
 
 
-def _quantiles_by_k(families) -> dict[str, dict[str, float]]:
-    """p50 / p95 per k from cumulative histogram buckets (all models and endpoints together)."""
-    buckets: dict[str, dict[float, float]] = {}
+def _by_model(families, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
     for family in families:
         for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                per_k = buckets.setdefault(sample.labels["k"], {})
-                bound = float(sample.labels["le"])
-                per_k[bound] = per_k.get(bound, 0.0) + sample.value
-    out = {}
-    for k, cumulative in buckets.items():
-        bounds = sorted(cumulative)
-        total = cumulative[bounds[-1]]
-        if not total:
-            continue
-        out[k] = {name: _quantile(bounds, cumulative, total * q) for name, q in (("p50", 0.5), ("p95", 0.95))}
-        out[k]["count"] = total
-    return dict(sorted(out.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0))
-
-
-def _quantile(bounds: list[float], cumulative: dict[float, float], rank: float) -> float:
-    previous_bound, previous_count = 0.0, 0.0
-    for bound in bounds:
-        count = cumulative[bound]
-        if count >= rank:
-            if bound == float("inf"):
-                return previous_bound
-            span = count - previous_count
-            return previous_bound + (bound - previous_bound) * ((rank - previous_count) / span if span else 1.0)
-        previous_bound, previous_count = bound, count
-    return previous_bound
-
-
-def _total(families, name: str) -> float:
-    return sum(s.value for f in families for s in f.samples if s.name == name)
+            if sample.name == name:
+                out[sample.labels["model"]] = out.get(sample.labels["model"], 0.0) + sample.value
+    return out

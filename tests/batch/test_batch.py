@@ -170,6 +170,7 @@ def test_batch_command_errors_are_one_line(tmp_path: Path, models, capsys, args:
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_output_to_a_pipe_does_not_try_to_resume_from_it(tmp_path: Path, models) -> None:
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(line("a", "/v1/score", {"input": "to stdout"}) + "\n")
@@ -238,6 +239,7 @@ def test_resume_after_kill_9_loses_and_duplicates_nothing(tmp_path: Path, models
     assert texts(output) == texts(fresh)
 
 
+@pytest.mark.slow
 def test_quality_rows_from_a_labelled_sweep(tmp_path: Path, models) -> None:
     clf = str(models["clf"])
     inputs = tmp_path / "labelled.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_serve.batch.runner import run_batch
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import router_config
 from moe_serve.testing import create_random_artifact
 from tests.batch.test_batch import assert_strict, line
 from tests.conftest import classifier_config, lm_config, moe_config
@@ -17,9 +17,10 @@ from tests.conftest import classifier_config, lm_config, moe_config
 POLICY = {"policy": "top_p", "p": 0.7, "min": 1, "max": 3}
 
 
+@pytest.mark.slow
 def test_policy_lines_report_their_mean_k(tmp_path: Path) -> None:
     lm = str(create_random_artifact(tmp_path / "lm", lm_config(), seed=3))
-    topk = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    topk = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     clf = str(create_random_artifact(tmp_path / "clf", topk, seed=4))
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(
@@ -51,6 +52,7 @@ def test_policy_lines_report_their_mean_k(tmp_path: Path) -> None:
     assert sorted(e["param"] for e in errors) == ["moe", "moe", "moe", "moe.min"]  # the bad policy is bad first
 
 
+@pytest.mark.slow
 def test_quality_rows_of_policy_lines_sit_at_their_mean_k(tmp_path: Path) -> None:
     """`moe-serve batch --quality`: labelled classify and score lines under a policy give the policy's rows,
     at the mean of its lines' mean k, beside the fixed-k rows."""
@@ -58,7 +60,7 @@ def test_quality_rows_of_policy_lines_sit_at_their_mean_k(tmp_path: Path) -> Non
     from moe_serve.batch.quality import labels_of, quality_rows
 
     lm = str(create_random_artifact(tmp_path / "lm", lm_config(), seed=3))
-    topk = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    topk = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     clf = str(create_random_artifact(tmp_path / "clf", topk, seed=4))
     texts = ["Out, damned spot!", "Now is the winter", "To be, or not to be", "Friends, Romans"]
     lines = []

@@ -33,6 +33,7 @@ def tiny(method: str, seed: int = 0) -> MemTransformerLM:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["smoe", "hyperrouter", "similarity", "hypermoe"])
 def test_untrained_router_swaps_to_zero_and_a_moved_router_does_not(method: str) -> None:
     initial = tiny(method)

@@ -56,6 +56,7 @@ def test_logits_match_transformers_at_trained_and_other_k(exported, name: str) -
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ARCHS)
 def test_greedy_generation_matches_transformers_generate(exported, name: str) -> None:
     src, artifact = exported[name]
@@ -71,6 +72,7 @@ def test_greedy_generation_matches_transformers_generate(exported, name: str) ->
     assert ours.outputs[0].token_ids == expected[0, 12:].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ARCHS)
 def test_mixed_k_batch_equals_each_request_alone(exported, name: str) -> None:
     _, artifact = exported[name]
@@ -86,6 +88,7 @@ def test_mixed_k_batch_equals_each_request_alone(exported, name: str) -> None:
         assert out.experts_per_token == p.experts_per_token
 
 
+@pytest.mark.slow
 def test_qwen2_moe_layout_and_conventions(exported) -> None:
     llm = LLM(exported["qwen2_moe"][1])
     moe = llm.config.moe
@@ -98,6 +101,7 @@ def test_qwen2_moe_layout_and_conventions(exported) -> None:
     assert qwen3.qk_norm == "per_head" and qwen3.rope_scaling.type == "yarn" and qwen3.moe.layers == (1,)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_with_index_and_bf16_storage(tmp_path: Path) -> None:
     src = save_hf_model("mixtral", tmp_path / "hf", max_shard_size="100KB")
     assert (src / "model.safetensors.index.json").is_file()
@@ -106,7 +110,7 @@ def test_sharded_checkpoint_with_index_and_bf16_storage(tmp_path: Path) -> None:
     input_ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(4))
     model = build_hf_model("mixtral", seed=0)
     with torch.no_grad():
-        # The artifact's rounding: every parameter but the router (kept fp32, DESIGN section 3); not the
+        # The artifact's rounding: every parameter but the router (kept fp32, docs/architecture.md §3); not the
         # rotary buffers either (those are computed).
         for name, p in model.named_parameters():
             if not name.endswith(".gate.weight"):

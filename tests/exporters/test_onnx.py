@@ -15,7 +15,8 @@ import torch
 from moe_serve import LLM, SamplingParams
 from moe_serve.errors import ValidationError
 from moe_serve.exporters.base import ExportError, ExportOptions
-from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig, RouterConfig
+from moe_serve.layers.routers import RouterConfig, router_config
+from moe_serve.model_config import ClassifierConfig, ExpertsPerToken, FFNConfig
 from moe_serve.registry import resolve_model
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, lm_config, moe_config
@@ -40,7 +41,7 @@ def _tiny_lm(router: RouterConfig, **overrides):
 def _hypermoe_lm(k: int):
     """HyperMoE at its trained k: one adapter per selected set (C(4, 2) = 6 at k = 2)."""
     moe = moe_config(
-        router=RouterConfig("hyper_expert", normalize=False),
+        router=router_config("hyper_expert", normalize=False),
         layers=(0, 1),
         experts_per_token=ExpertsPerToken(default=k, min=k, max=k),
         hyper_expert=FFNConfig("adapter", 8, "relu", use_bias=True),
@@ -57,11 +58,11 @@ def _hf_artifact(name: str, root: Path) -> Path:
 
 # name -> how to get the artifact (a bundled name, or a function of a scratch directory)
 LM_MODELS = {
-    "topk-softmax": lambda root: create_random_artifact(root / "a", _tiny_lm(RouterConfig("topk_softmax")), seed=1),
+    "topk-softmax": lambda root: create_random_artifact(root / "a", _tiny_lm(router_config("topk_softmax")), seed=1),
     "topk-softmax-all": lambda root: create_random_artifact(
-        root / "a", _tiny_lm(RouterConfig("topk_softmax", normalize=False)), seed=2
+        root / "a", _tiny_lm(router_config("topk_softmax", normalize=False)), seed=2
     ),
-    "topk-uniform": lambda root: create_random_artifact(root / "a", _tiny_lm(RouterConfig("topk_uniform")), seed=3),
+    "topk-uniform": lambda root: create_random_artifact(root / "a", _tiny_lm(router_config("topk_uniform")), seed=3),
     "hyper-expert-k2": lambda root: create_random_artifact(root / "a", _hypermoe_lm(2), seed=6),  # HyperMoE
     "mixtral": lambda root: _hf_artifact("mixtral", root),  # imported: GQA, SwiGLU experts, RMSNorm
     "qwen2-moe": lambda root: _hf_artifact("qwen2_moe", root),  # unnormalised, gated shared expert, a dense layer
@@ -72,6 +73,7 @@ LM_MODELS = {
 CLASSIFIERS = {
     "genre-topk": "genre-topk",
     "genre-smear": "genre-smear",  # soft_merge
+    "genre-switch": "genre-switch",  # example_topk
     "genre-moesart": "genre-moesart",  # topk_uniform
     "tiny-first-pooler": lambda root: create_random_artifact(
         root / "a",
@@ -244,10 +246,10 @@ def test_models_the_graph_cannot_express_are_refused_naming_the_feature(unknown_
         "similarity": "router kind 'similarity' keeps per-token routing state in the KV cache "
         r"\(graph-of-tokens routing",
         "test_expert_choice": "router kind 'test_expert_choice' has no ONNX graph; export-onnx expresses "
-        "topk_softmax, topk_uniform, soft_merge, hyper_expert",
+        "example_topk, hyper_expert, soft_merge, topk_softmax, topk_uniform",
     }
     for kind, message in messages.items():
-        artifact = create_random_artifact(tmp_path / kind, _tiny_lm(RouterConfig(kind)))
+        artifact = create_random_artifact(tmp_path / kind, _tiny_lm(router_config(kind)))
         with pytest.raises(ExportError, match=message):
             export_onnx(artifact, tmp_path / f"{kind}-onnx")
         assert not (tmp_path / f"{kind}-onnx").exists()

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from moe_serve import LLM, SamplingParams
+from moe_serve.artifact import Artifact
 from moe_serve.config import EngineConfig
+from moe_serve.engine.onnx_backend import ExportedModel
 from moe_serve.errors import ArtifactError, ValidationError
 from moe_serve.registry import resolve_model
 from tests.exporters.test_onnx import _hf_artifact
@@ -22,7 +24,7 @@ from tests.routing_checks import spy_preemptions
 pytest.importorskip("onnxruntime")
 
 from moe_serve.exporters.onnx import export_onnx  # noqa: E402
-from moe_serve.exporters.onnx.cache import cache_dir, cached_export, servable  # noqa: E402
+from moe_serve.exporters.onnx.cache import cache_dir, cached_export, load_servable, servable  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each model is exported once (seconds)
 
@@ -72,7 +74,7 @@ def test_generation_and_scores_equal_the_torch_backend_in_one_mixed_k_batch(name
     torch_llm = LLM(source)
     # A small step budget: the long prompt is prefilled in chunks that share steps with decodes.
     onnx_llm = LLM(cached_export(source), EngineConfig(backend="onnxruntime", max_num_batched_tokens=32))
-    assert onnx_llm.artifact.model is None and onnx_llm.artifact.onnx is not None
+    assert isinstance(onnx_llm.artifact, ExportedModel)  # the graph, no torch model
     prompts = PROMPTS if name != "mixtral" else [[1 + (7 * i + j) % 90 for j in range(5 + 9 * i)] for i in range(4)]
     ks = _ks(torch_llm, 8)
     _assert_same(_generate(onnx_llm, prompts * 2, ks), _generate(torch_llm, prompts * 2, ks))
@@ -165,6 +167,9 @@ def test_an_artifact_is_exported_once_and_an_export_directory_is_served_as_is(tm
     monkeypatch.setattr("moe_serve.exporters.onnx.export.export_onnx", no_export)
     assert Path(servable("genre-topk", config)) == first and os.stat(first / "model.onnx").st_mtime_ns == stamp
     assert servable("genre-topk", EngineConfig()) == "genre-topk"  # torch: the artifact itself
+    loaded = load_servable("genre-topk", config)  # what the front ends call: the cached export, opened
+    assert isinstance(loaded, ExportedModel) and loaded.path == first
+    assert isinstance(load_servable("genre-topk", EngineConfig()), Artifact)
     monkeypatch.undo()
     llm = LLM(first, config)
     assert llm.engine.inputs.name == "genre-topk" and llm.artifact.quality is not None  # the demo's table

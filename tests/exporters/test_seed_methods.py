@@ -69,6 +69,7 @@ def make_classifier(tmp_path: Path, method: str, seed: int = 0) -> tuple[GenreCl
     return model, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(transformer_xl.METHODS))
 def test_transformer_xl_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: str) -> None:
     model, ckpt = make_lm(tmp_path, transformer_xl.METHODS[fmt])
@@ -87,6 +88,7 @@ def test_transformer_xl_fold_matches_training_module_at_every_k(tmp_path: Path, 
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
 
 
+@pytest.mark.slow
 def test_hyperrouter_router_is_the_hypernetwork_output(tmp_path: Path) -> None:
     model, ckpt = make_lm(tmp_path, "hyperrouter")
     artifact = LLM(transformer_xl.export("hyperrouter", ckpt, tmp_path / "artifact")).artifact
@@ -100,6 +102,7 @@ def test_hyperrouter_router_is_the_hypernetwork_output(tmp_path: Path) -> None:
     assert "hypernetwork H dropped" in provenance["folded"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(genre_encoder.FOLDED))
 def test_encoder_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: str) -> None:
     model, ckpt = make_classifier(tmp_path, fmt)
@@ -120,6 +123,7 @@ def test_encoder_fold_matches_training_module_at_every_k(tmp_path: Path, fmt: st
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"k={k}")
 
 
+@pytest.mark.slow
 def test_moesart_drops_temperature(tmp_path: Path) -> None:
     """Selection is top-k of the logits and weights are 1/k, whatever tau was in training."""
     model, ckpt = make_classifier(tmp_path, "moesart")
@@ -329,7 +333,7 @@ def test_switch_classifier_results_say_approximate_beyond_k1(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("fmt", ["hyperrouter", "smear"])
 def test_router_tensors_stay_fp32_in_a_bf16_artifact_and_when_loaded_in_bf16(tmp_path: Path, fmt: str) -> None:
-    """DESIGN section 3: bf16 rounding flips top-k sets, so router weights keep fp32 whatever the rest is."""
+    """docs/architecture.md §3: bf16 rounding flips top-k sets, so router weights keep fp32 whatever the rest is."""
     if fmt == "hyperrouter":
         _, ckpt = make_lm(tmp_path, fmt)
         artifact = transformer_xl.export(fmt, ckpt, tmp_path / "artifact", ExportOptions(dtype=torch.bfloat16))

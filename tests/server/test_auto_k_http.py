@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from moe_serve.config import EngineConfig, RequestLimits
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import router_config
 from moe_serve.server.app import create_app
 from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
@@ -30,7 +30,7 @@ def serve(*models: str, engine: EngineConfig) -> Iterator[object]:
 @pytest.fixture(scope="module")
 def app(artifacts, tmp_path_factory) -> Iterator[object]:
     """A target no test comes near: "auto" runs at the model's max k."""
-    topk = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    topk = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     clf = create_random_artifact(tmp_path_factory.mktemp("auto") / "tiny-clf-topk", topk, seed=23)
     yield from serve(str(artifacts["lm"]), str(clf), engine=EngineConfig(max_num_seqs=8, target_itl_ms=10_000))
 

@@ -291,6 +291,7 @@ def test_with_an_api_key_monitoring_is_protected_unless_made_public(artifacts, t
     assert ServerSettings(models=("m",), host="0.0.0.0", allow_unauthenticated=True).api_key is None
 
 
+@pytest.mark.slow
 def test_a_connection_that_never_finishes_its_headers_is_closed(artifacts) -> None:
     running = start_server(ServerSettings(models=(str(artifacts["lm"]),), header_timeout=0.5))
     port = int(running.url.rsplit(":", 1)[1])

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import router_config
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, moe_config
 from tests.server.test_http_inprocess import call, inprocess_app, sse_events
@@ -17,7 +17,7 @@ POLICY = {"policy": "top_p", "p": 0.6, "min": 1, "max": 3}
 
 @pytest.fixture(scope="module")
 def app(artifacts, tmp_path_factory) -> Iterator[object]:
-    topk = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    topk = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     clf_topk = create_random_artifact(tmp_path_factory.mktemp("policy") / "tiny-clf-topk", topk, seed=23)
     yield from inprocess_app(str(artifacts["lm"]), str(artifacts["clf"]), str(clf_topk))
 

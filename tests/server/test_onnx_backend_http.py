@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from moe_serve.engine.onnx_backend import ExportedModel
 from tests.server.conftest import RunningServer, start_test_server
 
 pytest.importorskip("onnxruntime")
@@ -27,7 +28,7 @@ def server(artifacts, tmp_path_factory) -> Iterator[RunningServer]:
 
 def test_the_backend_is_onnxruntime_and_refuses_a_moe_policy_with_a_400(server, client) -> None:
     for model in server.app.state.ctx.models.values():
-        assert model.artifact.model is None and model.artifact.onnx is not None  # no torch model loaded
+        assert isinstance(model.artifact, ExportedModel)  # the graph, no torch model loaded
     body = {"model": "tiny-lm", "prompt": "x", "max_tokens": 2, "moe": {"policy": "top_p", "p": 0.5}}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400

@@ -112,7 +112,7 @@ ON_VALUES = {
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "audio": {"voice": "alloy"}, "modalities": ["audio"],
     "prediction": {"type": "content", "content": "x"}, "best_of": 2,
-    "echo": True,
+    "echo": True, "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
 }  # fmt: skip
 
 

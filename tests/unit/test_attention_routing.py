@@ -11,13 +11,13 @@ import torch
 
 from moe_serve import LLM, EngineConfig
 from moe_serve.errors import ConfigError
+from moe_serve.layers.routers import router_config
 from moe_serve.layers.routers.attention_aware import mix
+from moe_serve.layers.routers.attention_aware import reference_mix as attention_aware_mix
 from moe_serve.layers.routers.base import RouterState
-from moe_serve.model_config import RouterConfig
 from moe_serve.testing import create_random_artifact
 from tests.batches import packed_batch
 from tests.conftest import lm_config, moe_config
-from tests.reference_moe import attention_aware_mix
 from tests.routing_checks import assert_alone_equals_batched, assert_every_cache_path_routes_alike
 
 LENGTHS = (7, 1, 10, 4)
@@ -28,7 +28,7 @@ POSITIONS = {
 
 
 def _config(position: str, sigma: float = 2.0, heads: tuple[int, ...] = (1, 3)):
-    router = RouterConfig("attention", heads=heads, sigma=sigma)
+    router = router_config("attention", heads=heads, sigma=sigma)
     return lm_config(
         num_layers=3, position=position, moe=moe_config(layers=(0, 2), router=router), **POSITIONS[position]
     )
@@ -130,6 +130,7 @@ def test_heads_must_name_one_head_per_moe_layer() -> None:
 # ---- in the engine ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", list(POSITIONS))
 def test_prefill_chunks_decode_prefix_hits_and_preemption_route_alike(make_artifact, position: str) -> None:
     artifact = make_artifact(_config(position), seed=19)

@@ -14,7 +14,7 @@ from moe_serve.config import EngineConfig
 from moe_serve.engine.auto_k import AutoKConfig, AutoKController
 from moe_serve.engine.sequence import Sequence
 from moe_serve.errors import ValidationError
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import router_config
 from moe_serve.moe_policy import KSpec
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, lm_config, moe_config
@@ -208,7 +208,7 @@ def test_auto_without_load_runs_at_max_k_and_says_so(llm: LLM) -> None:
 
 
 def test_classify_takes_auto(tmp_path) -> None:
-    config = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    config = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     clf = LLM(create_random_artifact(tmp_path / "clf", config), EngineConfig(target_itl_ms=10_000))
     (out,) = clf.classify("Exit, pursued by a bear.", experts_per_token="auto")
     (fixed,) = clf.classify("Exit, pursued by a bear.", experts_per_token=NUM_EXPERTS)
@@ -231,7 +231,7 @@ class SlowRunner:
     def execute(self, output):
         result = self.runner.execute(output)
         time.sleep(self.seconds_per_expert * sum(item.seq.k for item in output.scheduled))
-        auto = {item.seq.k for item in output.scheduled if item.seq.spec.auto}
+        auto = {item.seq.k for item in output.scheduled if item.seq.k_spec.auto}
         assert len(auto) <= 1  # every "auto" sequence of a step runs at the step's one k
         self.auto_ks += auto
         return result

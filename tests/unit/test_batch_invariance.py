@@ -1,4 +1,4 @@
-"""A request's result does not depend on what it is batched with (DESIGN §3)."""
+"""A request's result does not depend on what it is batched with (docs/architecture.md §3)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ POLICIES = [
 @pytest.mark.parametrize("policy", POLICIES, ids=["p0.5", "p0.8-min2-max3", "p1"])
 def test_top_p_request_alone_vs_with_fixed_k_and_other_policies(llm: LLM, policy: dict) -> None:
     """A `moe` policy's tokens each take their own k; its tokens and logprobs are those it gets alone (within
-    1e-5, the contract of DESIGN §3: a fixed k is not bitwise here either), whatever fixed-k requests and other
-    policies share its batches."""
+    1e-5, the contract of docs/architecture.md §3: a fixed k is not bitwise here either), whatever fixed-k
+    requests and other policies share its batches."""
     params = SamplingParams(max_tokens=12, temperature=0, moe=policy, logprobs=5, ignore_eos=True)
     alone = llm.generate([TARGET], params)[0]
     others = [

@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from moe_serve.kernels import cpu_extension, target_isa
+from moe_serve.kernels.ops import Weighting
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="no C++ CPU kernels on this machine")
 
@@ -17,6 +18,11 @@ ROWS = (1, 2, 3, 4, 5, 6, 9, 10, 11, 64, 67)
 
 def test_the_build_uses_the_widest_vectors_allowed() -> None:
     assert cpu_extension().isa() == target_isa()  # what the compiler's macros chose is what Python expects
+
+
+def test_the_kernel_reads_the_weighting_codes_python_sends() -> None:
+    """ops.Weighting (what the router kinds name) and the C++ enum are one table."""
+    assert cpu_extension().weighting_codes() == {w.name.lower(): w.value for w in Weighting}
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 13, 128])

@@ -57,6 +57,7 @@ def test_eval_places_policies_at_their_mean_k(make_artifact) -> None:
     assert "top_p=0.5  mean k=" in format_table(rows)
 
 
+@pytest.mark.slow
 def test_cli_eval_with_moe(make_artifact, tmp_path: Path, capsys) -> None:
     model = str(make_artifact(lm_config(), seed=9))
     args = ["eval", model, "--k", "2", "--moe", "top_p=0.7", "--max-items", "3", "--output-dir", str(tmp_path)]

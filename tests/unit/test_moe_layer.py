@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moe_serve.layers.moe import MoEBlock
-from moe_serve.layers.routers import router_class
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, MoEConfig, RouterConfig
+from moe_serve.layers.routers import RouterConfig, router_class, router_config
+from moe_serve.model_config import ExpertsPerToken, FFNConfig, MoEConfig
 from tests.batches import KERNELS, pack, packed_batch, unpack, use_kernels
 from tests.reference_moe import reference_moe
 
@@ -17,14 +17,14 @@ N = 6  # experts
 D = 16
 
 ROUTERS = {
-    "topk_softmax": RouterConfig("topk_softmax"),
-    "topk_softmax_unnormalized": RouterConfig("topk_softmax", normalize=False),
-    "topk_softmax_bias": RouterConfig("topk_softmax", use_bias=True),
-    "topk_uniform": RouterConfig("topk_uniform"),
-    "soft_merge": RouterConfig("soft_merge", input_norm="layernorm"),
-    "example_topk": RouterConfig("example_topk", input_norm="layernorm"),
-    "similarity": RouterConfig("similarity", tau=4.0),
-    "similarity_bias": RouterConfig("similarity", use_bias=True, tau=0.5),
+    "topk_softmax": router_config("topk_softmax"),
+    "topk_softmax_unnormalized": router_config("topk_softmax", normalize=False),
+    "topk_softmax_bias": router_config("topk_softmax", use_bias=True),
+    "topk_uniform": router_config("topk_uniform"),
+    "soft_merge": router_config("soft_merge", input_norm="layernorm"),
+    "example_topk": router_config("example_topk", input_norm="layernorm"),
+    "similarity": router_config("similarity", tau=4.0),
+    "similarity_bias": router_config("similarity", use_bias=True, tau=0.5),
 }
 EXPERTS = {
     "mlp_relu_bias": FFNConfig("mlp", 24, "relu", use_bias=True),
@@ -107,7 +107,7 @@ def test_hyper_expert_adds_the_adapter_of_each_tokens_selected_set(k: int) -> No
     """HyperMoE at its trained k (Switch weighting: the chosen experts' full-softmax probabilities), the
     adapter table indexed by the selected set, against the reference."""
     block = make_block(
-        RouterConfig("hyper_expert", normalize=False),
+        router_config("hyper_expert", normalize=False),
         EXPERTS["mlp_relu_bias"],
         seed=7,
         k=ExpertsPerToken(default=k, min=k, max=k),
@@ -122,16 +122,16 @@ def test_hyper_expert_adds_the_adapter_of_each_tokens_selected_set(k: int) -> No
 
 def test_route_ties_break_to_lower_index_and_unused_slots_are_masked() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5], [2.0, 2.0, 2.0, 2.0]])
-    ids, weights = route(logits, torch.tensor([2, 3]), 3, RouterConfig("topk_softmax"))
+    ids, weights = route(logits, torch.tensor([2, 3]), 3, router_config("topk_softmax"))
     assert ids.tolist() == [[1, 2, -1], [0, 1, 2]]
     torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]))
 
 
 def test_route_uniform_and_unnormalized_weights() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
-    _, uniform = route(logits, torch.tensor([3]), 4, RouterConfig("topk_uniform"))
+    _, uniform = route(logits, torch.tensor([3]), 4, router_config("topk_uniform"))
     torch.testing.assert_close(uniform, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 0.0]]))
-    _, raw = route(logits, torch.tensor([2]), 2, RouterConfig("topk_softmax", normalize=False))
+    _, raw = route(logits, torch.tensor([2]), 2, router_config("topk_softmax", normalize=False))
     full = torch.softmax(logits, -1)[0]
     torch.testing.assert_close(raw[0], torch.stack([full[3], full[2]]))
 

@@ -7,7 +7,7 @@ import pytest
 
 from moe_serve import LLM, SamplingParams
 from moe_serve.errors import ValidationError
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import router_config
 from moe_serve.moe_policy import KSpec, MoEPolicy
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, lm_config, moe_config
@@ -82,7 +82,7 @@ def test_generate_score_and_classify_take_a_policy(llm: LLM, make_artifact) -> N
     scored = llm.score([TEXT, "Ay"], moe=MoEPolicy(p=0.6, max=3))
     assert all(s.experts_per_token is None and 1 <= s.experts.mean <= 3 for s in scored)  # type: ignore[union-attr,operator]
 
-    config = classifier_config(moe=moe_config(router=RouterConfig("topk_uniform")))
+    config = classifier_config(moe=moe_config(router=router_config("topk_uniform")))
     classifier = LLM(make_artifact(config, seed=2))
     (label,) = classifier.classify(TEXT, moe=policy)
     assert label.experts_per_token is None and 1 <= label.experts.mean <= 3  # type: ignore[union-attr,operator]

@@ -11,8 +11,7 @@ import torch
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels import ops
-from moe_serve.layers.routers import Router, RouterState, register
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import Router, RouterState, register, router_config
 from tests.conftest import lm_config, moe_config
 
 TEXT = "Is this a dagger which I see before me, the handle toward my hand?"
@@ -38,7 +37,7 @@ class _CausalMean(Router):
             else:  # the bug the test must catch: only the tokens of this step
                 mine = (batch.seq_ids[: t + 1] == seq).nonzero()[:, 0]
                 mixed[t] = probs[mine].mean(0)
-        return ops.topk_route_torch(mixed.log(), top_k, max_k, "softmax_chosen")
+        return ops.topk_route_torch(mixed.log(), top_k, max_k, ops.Weighting.SOFTMAX_CHOSEN)
 
 
 @register("test_causal_mean")
@@ -52,10 +51,11 @@ class StepOnly(_CausalMean):
 
 
 def make(make_artifact, kind: str, **engine) -> LLM:
-    config = lm_config(num_layers=3, moe=moe_config(layers=(0, 2), router=RouterConfig(kind)))
+    config = lm_config(num_layers=3, moe=moe_config(layers=(0, 2), router=router_config(kind)))
     return LLM(make_artifact(config, seed=13), EngineConfig(**engine))
 
 
+@pytest.mark.slow
 def test_state_follows_chunks_decode_prefix_hits_and_batches(make_artifact) -> None:
     whole = make(make_artifact, "test_causal_mean").score(TEXT, return_token_logprobs=True)[0].token_logprobs
     chunked_llm = make(make_artifact, "test_causal_mean", max_num_batched_tokens=16)

@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 
 from moe_serve.engine.block_manager import BlockManager
-from moe_serve.engine.scheduler import ROOM_MARGIN, ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.engine.scheduler import (
+    QUIET_STEPS_BEFORE_LONG_CHUNKS,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
+from moe_serve.engine.step_costs import ROOM_MARGIN, StepCosts
 
 BS = 4  # block size
 
@@ -170,8 +177,6 @@ def test_chunks_shrink_as_the_prompt_context_grows() -> None:
 
 
 def test_calibration_recovers_the_cost_shape() -> None:
-    from moe_serve.engine.scheduler import StepCosts
-
     per_token, per_pair = 0.001, 0.00002  # seconds per token, per (query, key) pair
     costs = StepCosts()
     costs.calibrate(lambda n: n * (per_token + per_pair * n / 2), 64, 512)
@@ -189,8 +194,6 @@ def _prefill_step(chunks: list[tuple[int, int]]) -> SchedulerOutput:
 
 def test_online_fit_learns_the_attention_rate_the_calibration_missed() -> None:
     """Calibrated as if attention cost nothing, the costs learn its rate from chunks at growing contexts."""
-    from moe_serve.engine.scheduler import StepCosts
-
     per_token, per_pair = 0.0002, 0.0000004  # true: a token at context 500 costs twice one at context 0
     costs = StepCosts()
     costs.calibrate(lambda n: n * per_token, 64, 512)
@@ -205,8 +208,6 @@ def test_online_fit_learns_the_attention_rate_the_calibration_missed() -> None:
 def test_online_fit_keeps_its_shape_when_every_chunk_has_the_same_context() -> None:
     """Steps that cannot tell the two rates apart fit their level; the split between the rates stays bounded
     (the anchor to the current rates keeps the fit solvable)."""
-    from moe_serve.engine.scheduler import StepCosts
-
     costs = StepCosts()
     costs.calibrate(lambda n: n * (0.001 + 0.00002 * n / 2), 64, 512)
     ratio = costs.pair_ratio
@@ -214,3 +215,144 @@ def test_online_fit_keeps_its_shape_when_every_chunk_has_the_same_context() -> N
         costs.observe(_prefill_step([(32, 0)]), 2 * 32 * (0.001 + 0.00002 * 16))
     assert ratio / 2 < costs.pair_ratio < ratio * 2
     assert costs.chunk_seconds(32, 0) == pytest.approx(2 * 32 * (0.001 + 0.00002 * 16), rel=0.02)
+
+
+# ---- long prompts share the engine (issue 28: one 16-input /v1/score held a 4-token completion for 49.6 s) ----
+
+
+def make_fair(
+    budget: int = 256, threshold: int = 32, max_long: int = 1, num_blocks: int = 512, alone_seconds: float = 0.0
+) -> Scheduler:
+    config = SchedulerConfig(
+        8,
+        budget,
+        long_prefill_threshold=threshold,
+        long_prefill_chunk=threshold,
+        max_long_prefills=max_long,
+        long_prefill_alone_seconds=alone_seconds,
+    )
+    return Scheduler(config, BlockManager(num_blocks, BS, True))
+
+
+def test_a_short_request_is_admitted_while_long_scoring_inputs_prefill() -> None:
+    s = make_fair()
+    for i in range(4):  # one /v1/score of 4 long inputs
+        s.add(seq(200, name=f"score{i}", first=1000 * i, kind=SequenceKind.SCORE))
+    assert run_step(s) == [("score0", 32)]  # one long prompt at a time, its chunk capped
+    s.add(short := seq(5, name="short", first=9000))
+    assert run_step(s) == [("short", 5), ("score0", 32)]  # admitted at once, ahead of score1..3
+    assert short.num_output_tokens == 1 and [x.request_id for x in s.waiting] == ["score1", "score2", "score3"]
+    assert run_step(s) == [("short", 1), ("score0", 32)]  # decodes on beside the long prefill
+
+
+def test_a_long_chunk_is_capped_even_when_nothing_decodes() -> None:
+    s = make_fair(budget=1000, threshold=64)
+    s.add(seq(300, name="long"))
+    steps = [run_step(s) for _ in range(5)]
+    # 300 = 64 * 3 + 108: long while more than 64 are left, then the rest (at most 64 more) in one chunk.
+    assert steps == [[("long", 64)], [("long", 64)], [("long", 64)], [("long", 64)], [("long", 44)]]
+
+
+def test_the_next_long_prompt_starts_when_the_first_is_prefilled() -> None:
+    s = make_fair(budget=1000, threshold=64)
+    s.add(a := seq(150, name="a", kind=SequenceKind.SCORE))
+    s.add(seq(150, name="b", first=500, kind=SequenceKind.SCORE))
+    assert run_step(s) == [("a", 64)]  # b waits for the long slot
+    assert run_step(s) == [("a", 64)]
+    assert run_step(s) == [("a", 22)]  # the last chunk: a reads 128 cached keys per token, still long
+    s.finish(a, "stop")  # scored (the engine finishes it)
+    assert run_step(s) == [("b", 64)]
+
+
+def test_two_long_slots_and_waiting_long_prompts_keep_their_order() -> None:
+    s = make_fair(budget=1000, threshold=16, max_long=2)
+    for name in "abc":
+        s.add(seq(100, name=name, first=ord(name) * 100, kind=SequenceKind.SCORE))
+    s.add(seq(8, name="short", first=5))
+    assert run_step(s) == [("a", 16), ("b", 16), ("short", 8)]
+    assert [x.request_id for x in s.waiting] == ["c"]
+
+
+def test_decodes_are_never_starved_and_long_chunks_keep_the_join_stall_bound() -> None:
+    s = make_fair(budget=2048, threshold=512)
+    for i in range(4):
+        s.add(seq(3, name=f"d{i}", first=10 * i))
+    run_step(s)
+    s.costs.decode_step, s.costs.per_token = 0.010, 0.0005
+    for i in range(16):
+        s.add(seq(4000, name=f"score{i}", first=10_000 * i, kind=SequenceKind.SCORE))
+    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN / 0.0005)
+    for _ in range(10):
+        step = dict(run_step(s))
+        assert all(step[f"d{i}"] == 1 for i in range(4))  # every decode, every step
+        assert [name for name in step if name.startswith("score")] == ["score0"] and step["score0"] == chunk
+
+
+def test_a_long_classification_input_takes_the_long_slot_for_its_step() -> None:
+    s = make_fair(budget=1000, threshold=32)
+    s.add(seq(100, name="c0", kind=SequenceKind.CLASSIFY))
+    s.add(seq(100, name="c1", kind=SequenceKind.CLASSIFY))
+    s.add(seq(10, name="c2", kind=SequenceKind.CLASSIFY))
+    assert run_step(s) == [("c0", 100), ("c2", 10)]  # whole (never chunked), one long input per step
+
+
+def test_deeper_long_chunks_cost_no_more_than_the_first_when_nothing_decodes() -> None:
+    """Alone, a long prompt's chunk costs at most what long_prefill_chunk tokens cost from position 0: deeper
+    chunks (each token reads more cached keys) get fewer tokens, so that a request arriving meanwhile waits
+    at most one short step."""
+    s = make_fair(budget=2048, threshold=64, num_blocks=1024)
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.01
+    s.add(long := seq(1000, name="score", kind=SequenceKind.SCORE))
+    bound = s.costs.chunk_seconds(64, 0)
+    chunks = []
+    for _ in range(8):
+        start = long.num_computed_tokens
+        (name, n), *others = run_step(s)
+        assert not others and s.costs.chunk_seconds(n, start) <= bound + 1e-12
+        chunks.append(n)
+    assert chunks[0] == 64 and chunks == sorted(chunks, reverse=True) and chunks[-1] < 40
+
+
+def test_long_prompts_alone_take_chunks_of_the_alone_step_time_and_shrink_when_a_request_arrives() -> None:
+    """Bulk scoring alone keeps its throughput (chunks of long_prefill_alone_seconds, not of
+    long_prefill_chunk tokens); a request that arrives is admitted in the next step, and the long chunk
+    beside it shrinks back."""
+    s = make_fair(budget=2048, threshold=64, num_blocks=1024, alone_seconds=0.2)
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.01
+    s.add(long := seq(3000, name="score", kind=SequenceKind.SCORE))
+    for _ in range(1 + QUIET_STEPS_BEFORE_LONG_CHUNKS):  # admitted, then quiet steps still capped
+        [(name, n)] = run_step(s)
+        assert n <= 64
+    start = long.num_computed_tokens
+    (name, n), *others = run_step(s)
+    assert name == "score" and not others and n > 64
+    assert s.costs.chunk_seconds(n, start) <= 0.2 + 1e-12 < s.costs.chunk_seconds(n + 1, start)
+    s.add(seq(5, name="short", first=9000))
+    start = long.num_computed_tokens
+    (short, _), (name, n) = run_step(s)
+    assert short == "short" and name == "score" and n <= 64 and s.costs.chunk_seconds(n, start) < 0.2
+
+
+def test_the_step_that_admits_a_short_request_keeps_the_join_stall_bound() -> None:
+    s = make_fair(budget=2048, threshold=64, num_blocks=1024)
+    s.costs.decode_step, s.costs.per_token = 0.010, 0.0005
+    s.add(seq(1000, name="score", kind=SequenceKind.SCORE))
+    assert run_step(s) == [("score", 64)]  # alone: what 64 tokens cost
+    s.add(seq(5, name="short", first=5000))
+    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN / 0.0005)  # the room beside one decode (it decodes next)
+    assert run_step(s) == [("short", 5), ("score", chunk)]
+
+
+def test_deep_in_a_long_prompt_its_chunk_beside_decodes_shrinks_to_one_token_not_min_chunk() -> None:
+    s = make_fair(budget=2048, threshold=512)
+    s.add(seq(3, name="d"))
+    run_step(s)
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.1  # a key: 10 % of a token
+    s.add(long := seq(1000, name="score", first=100, kind=SequenceKind.SCORE))
+    first = dict(run_step(s))
+    assert first["d"] == 1 and 1 < first["score"] < 512
+    while long.num_computed_tokens < 300:
+        assert dict(run_step(s))["d"] == 1
+    # Deep in the prompt one token reads 300 cached keys (31 x a token, over the room): one token per step,
+    # never min_chunk (16 tokens would stall the decode 16 times as long).
+    assert dict(run_step(s)) == {"d": 1, "score": 1}

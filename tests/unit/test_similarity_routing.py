@@ -10,9 +10,9 @@ import torch
 
 from moe_serve import LLM, EngineConfig
 from moe_serve.errors import ConfigError
+from moe_serve.layers.routers import router_config
 from moe_serve.layers.routers.base import RouterState
 from moe_serve.layers.routers.similarity import mix
-from moe_serve.model_config import RouterConfig
 from tests.batches import pack, packed_batch
 from tests.conftest import lm_config, moe_config
 from tests.reference_moe import similarity_mix
@@ -41,7 +41,7 @@ def _runtime_mix(block, x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tenso
 
 @pytest.mark.parametrize("tau", [0.25, 1.0, 4.0])
 def test_the_mix_equals_the_written_out_matrix(tau: float) -> None:
-    block = make_block(RouterConfig("similarity", use_bias=True, tau=tau), EXPERTS["glu_silu"], seed=2)
+    block = make_block(router_config("similarity", use_bias=True, tau=tau), EXPERTS["glu_silu"], seed=2)
     x, mask = _inputs(seed=3)
     for b, got in enumerate(_runtime_mix(block, x, mask)):
         want = similarity_mix(block, x[b, : LENGTHS[b]].double())
@@ -51,8 +51,8 @@ def test_the_mix_equals_the_written_out_matrix(tau: float) -> None:
 def test_tau_to_zero_is_plain_top_k_routing() -> None:
     """With equal-norm inputs S -> I as tau -> 0, so q_i = p_i: the experts and weights of topk_softmax."""
     x, mask = _inputs(seed=5, unit=True)
-    similar = make_block(RouterConfig("similarity", tau=1e-4), EXPERTS["glu_silu"], seed=4)
-    plain = make_block(RouterConfig("topk_softmax"), EXPERTS["glu_silu"], seed=4)
+    similar = make_block(router_config("similarity", tau=1e-4), EXPERTS["glu_silu"], seed=4)
+    plain = make_block(router_config("topk_softmax"), EXPERTS["glu_silu"], seed=4)
     flat = pack(x, mask)
     for k in (1, 2, 4, 6):
         batch = packed_batch(list(LENGTHS), [k] * len(LENGTHS))
@@ -63,7 +63,7 @@ def test_tau_to_zero_is_plain_top_k_routing() -> None:
 def test_negative_controls_change_routing() -> None:
     """What the reference tests would catch: a bidirectional graph, mixing logits instead of probabilities,
     and a graph across sequences each choose other experts for some tokens."""
-    block = make_block(RouterConfig("similarity", tau=4.0), EXPERTS["glu_silu"], seed=6)
+    block = make_block(router_config("similarity", tau=4.0), EXPERTS["glu_silu"], seed=6)
     x, mask = _inputs(seed=7)
     runtime = _runtime_mix(block, x, mask)
     ids = [q.topk(2, dim=-1).indices for q in runtime]
@@ -86,14 +86,14 @@ def test_negative_controls_change_routing() -> None:
 
 def test_a_bad_tau_is_refused() -> None:
     with pytest.raises(ConfigError, match="router tau"):
-        RouterConfig("similarity", tau=0.0)
+        router_config("similarity", tau=0.0)
 
 
 # ---- in the engine: the router state in the paged cache ------------------------------------------
 
 
 def _llm(make_artifact, **engine) -> LLM:
-    config = lm_config(num_layers=3, moe=moe_config(layers=(0, 2), router=RouterConfig("similarity", tau=2.0)))
+    config = lm_config(num_layers=3, moe=moe_config(layers=(0, 2), router=router_config("similarity", tau=2.0)))
     return LLM(make_artifact(config, seed=17), EngineConfig(**engine))
 
 

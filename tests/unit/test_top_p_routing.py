@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from moe_serve.kernels import ops
-from moe_serve.layers.routers import router_class
-from moe_serve.model_config import RouterConfig
+from moe_serve.layers.routers import RouterConfig, router_class, router_config
 from tests.batches import KERNELS, pack, packed_batch, unpack, use_kernels
-from tests.reference_moe import choose, combine_weights, reference_moe, top_p_k
+from tests.reference_moe import choose, reference_moe, top_p_k
 from tests.unit.test_moe_layer import EXPERTS, ROUTERS, batch, make_block, route
 
 N = 8
@@ -44,10 +43,11 @@ def logits_with_ties() -> torch.Tensor:
 
 def reference_route(logits: torch.Tensor, ks: list[int], config: RouterConfig) -> tuple[list[list[int]], list]:
     ids, weights = [], []
+    kind = router_class(config.kind)(config, logits.shape[1])
     for row, k in zip(logits.tolist(), ks, strict=True):
         chosen = choose(row, k)
         ids.append(chosen)
-        weights.append(combine_weights(config.kind, config.normalize, row, chosen))
+        weights.append(kind.reference_weights(row, chosen))
     return ids, weights
 
 
@@ -84,7 +84,7 @@ def test_exact_ties_and_p_one() -> None:
     assert ks(0.8) == [7, 4, 4, 1]
     assert ks(math.inf) == [N] * 4  # p = 1
     assert ks(0.5, low=2, high=3) == [3, 2, 3, 2]
-    ids, _ = route(logits[1:3], torch.tensor([1, 3]), 3, RouterConfig("topk_softmax"))
+    ids, _ = route(logits[1:3], torch.tensor([1, 3]), 3, router_config("topk_softmax"))
     assert ids.tolist() == [[0, -1, -1], [4, 5, 6]]  # of tied experts, the lower indices
 
 

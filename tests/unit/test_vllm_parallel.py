@@ -13,7 +13,8 @@ from torch import nn
 from moe_serve.layers.attention import Attention
 from moe_serve.layers.ffn import FFN
 from moe_serve.layers.moe import MoEBlock
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, RouterConfig
+from moe_serve.layers.routers import router_config
+from moe_serve.model_config import ExpertsPerToken, FFNConfig
 from moe_serve.vllm_plugin.parallel import Shards, problems, shard
 from tests.batches import KERNELS, packed_batch, use_kernels
 from tests.conftest import lm_config, moe_config
@@ -59,7 +60,7 @@ def test_moe_block_shares_sum_to_the_whole_block(
     """Routed experts (split by intermediate size, or whole experts per rank), a gated shared expert."""
     use_kernels(monkeypatch, kernels)
     block = make_block(
-        RouterConfig("topk_softmax", use_bias=True),
+        router_config("topk_softmax", use_bias=True),
         expert,
         seed=3,
         k=ExpertsPerToken(default=2, max=6),
@@ -76,7 +77,7 @@ def test_moe_block_shares_sum_to_the_whole_block(
 
 def test_hyper_expert_adapter_table_is_split_by_its_bottleneck() -> None:
     block = make_block(
-        RouterConfig("hyper_expert", normalize=False),
+        router_config("hyper_expert", normalize=False),
         FFNConfig("mlp", 24, "relu", use_bias=True),
         seed=7,
         k=ExpertsPerToken(default=2, min=2, max=2),

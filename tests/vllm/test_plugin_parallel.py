@@ -69,7 +69,8 @@ def test_parallel_ranks_give_moe_serves_tokens(tmp_path: Path, plugin_artifact: 
 
 
 def test_router_weights_stay_fp32_in_a_bf16_model(plugin_artifact: Path) -> None:
-    """As moe-serve's own loader (DESIGN §3: bf16 rounding flips top-k sets): a bf16 model, fp32 routers."""
+    """As moe-serve's own loader (docs/architecture.md §3: bf16 rounding flips top-k sets): a bf16 model, fp32
+    routers."""
     tokens, dtypes = vllm_greedy(plugin_artifact, [1, 4], ["--dtype", "bfloat16"])
     routers = [d for d in dtypes if ".moe.router." in d]
     assert routers and all(d.endswith("torch.float32") for d in routers), routers

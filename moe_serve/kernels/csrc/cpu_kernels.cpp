@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -496,6 +497,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
 
 // ---- routing -----------------------------------------------------------------------------------------
 
+// The codes of moe_serve.kernels.ops.Weighting (the router kinds name theirs; tests compare the two tables).
 enum RouteMode : int64_t { SOFTMAX_CHOSEN = 0, SOFTMAX_ALL = 1, UNIFORM = 2 };
 
 // logits [R, N] f32, top_k [R] int64 -> (ids [R, max_k] int64, -1 beyond a row's k; weights [R, max_k] f32).
@@ -799,6 +801,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
   m.def("topk_route", &topk_route, "top-k experts per row and their weights");
+  m.def("weighting_codes", [] {
+    return std::map<std::string, int64_t>{{"softmax_chosen", SOFTMAX_CHOSEN}, {"softmax_all", SOFTMAX_ALL}, {"uniform", UNIFORM}};
+  }, "topk_route's weighting codes by name");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");

@@ -1,21 +1,45 @@
-"""Routers, one module per kind, found by name in a registry. A router turns fp32 router logits into each
-row's experts and combine weights, with k per row (DESIGN §3); a kind may keep per-token state in the
-paged KV cache (`state_size`). Add a kind: a module here with a `@register("name")` class, its reference
-in tests/reference_moe.py, and a line in docs/artifact-format.md."""
+"""Router kinds, one module per kind, found by name in a registry (docs/architecture.md §3). A kind turns
+fp32 router logits into each row's experts and combine weights, with k per row, and owns its settings,
+its weighting, its checks and its reference (see base.py). Add a kind: one module with a
+`@register("name")` Router subclass in this package (imported, so registered, with the package) or
+anywhere imported before a model names it, and its test.
+"""
 
 from __future__ import annotations
 
-from moe_serve.layers.routers.base import Router, RouterState, register, router_class, router_kinds
+import importlib
+import pkgutil
 
-# Importing the built-in kinds registers them.
-from moe_serve.layers.routers import (  # noqa: E402, F401  isort: skip
-    attention_aware,
-    example_topk,
-    hyper_expert,
-    similarity,
-    soft_merge,
-    topk_softmax,
-    topk_uniform,
+from moe_serve.layers.routers.base import (
+    PooledRouterConfig,
+    Router,
+    RouterConfig,
+    RouterState,
+    register,
+    router_class,
+    router_config,
+    router_kinds,
+    unregister,
 )
 
-__all__ = ["Router", "RouterState", "register", "router_class", "router_kinds"]
+
+def _register_built_in_kinds() -> None:
+    """Import every module of this package: each registers its kind, so a new kind is its module alone."""
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_register_built_in_kinds()
+
+__all__ = [
+    "PooledRouterConfig",
+    "Router",
+    "RouterConfig",
+    "RouterState",
+    "register",
+    "router_class",
+    "router_config",
+    "router_kinds",
+    "unregister",
+]

@@ -20,27 +20,65 @@ depend on k: every k is defined, only the trained k (the model's default) is val
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
+from moe_serve.config_schema import check_float
+from moe_serve.errors import ConfigError
 from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import Router, RouterConfig, RouterState, register
+
+if TYPE_CHECKING:
+    from moe_serve.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionAwareConfig(RouterConfig):
+    sigma: float = 1.0  # width of the likelihood term exp(-||x~_i - W^h x_j||^2 / (2 sigma^2))
+    heads: tuple[int, ...] = ()  # h*, the head each MoE layer routes by (in moe.layers order)
+
+    def __post_init__(self) -> None:
+        RouterConfig.__post_init__(self)
+        check_float("router sigma", self.sigma, 0.0, 1e6, low_open=True)
 
 
 @register("attention")
 class AttentionAware(Router):
+    Config = AttentionAwareConfig
+    weighting = Weighting.SOFTMAX_CHOSEN  # of log q: q[e] / sum of the chosen q
     reads_attention = True
+
+    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        super().__init__(config, num_experts)
+        assert isinstance(config, AttentionAwareConfig)
+        self.heads, self.sigma = config.heads, config.sigma
 
     @classmethod
     def state_size(cls, num_experts: int, hidden_size: int) -> int:
         return num_experts + 1  # p_j, then c_j
 
+    @classmethod
+    def check_model(cls, config: ModelConfig) -> None:
+        super().check_model(config)
+        assert config.moe is not None and isinstance(config.moe.router, AttentionAwareConfig)
+        heads = config.moe.router.heads
+        valid = all(isinstance(h, int) and 0 <= h < config.num_heads for h in heads)
+        if len(heads) != len(config.moe.layers) or not valid:
+            raise ConfigError(
+                f"router kind attention needs router.heads: one head in 0..{config.num_heads - 1} per MoE layer "
+                f"(its h*, in moe.layers order; {len(config.moe.layers)} layers); got {list(heads)}"
+            )
+
     def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
+        self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if state is None or state.inputs is None or state.attention is None:
+        if state is None or state.attention is None:
             raise ValueError("attention-aware routing needs the layer's attention and the step's tokens")
-        head = self.config.heads[state.moe_layer]
-        return ops.topk_route(mix(logits, state, head, self.config.sigma).log(), top_k, max_k, "softmax_chosen")
+        head = self.heads[state.moe_layer]
+        return ops.topk_route(mix(logits, state, head, self.sigma).log(), token_k, max_k, self.weighting)
 
     @classmethod
     def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
@@ -51,7 +89,7 @@ def mix(logits: torch.Tensor, state: RouterState, head: int, sigma: float) -> to
     """q [T, N] fp32: each token's mix of its sequence's router distributions by head `head`'s posterior
     attention."""
     att = state.attention
-    assert att is not None and state.inputs is not None
+    assert att is not None
     num_heads, num_kv_heads, dh = att.q.shape[1], att.k.shape[1], att.q.shape[2]
     group = head // (num_heads // num_kv_heads)
     w_o = att.o_weight[:, head * dh : (head + 1) * dh].float()  # [D, Dh]
@@ -90,3 +128,28 @@ def mix(logits: torch.Tensor, state: RouterState, head: int, sigma: float) -> to
         mixed[rows] = weights @ past_probs
         start += n
     return mixed
+
+
+def reference_mix(
+    q: torch.Tensor,  # [n, Dh] head h's queries (as the attention kernel saw them)
+    k: torch.Tensor,  # [n, Dh] its key/value group's keys
+    v: torch.Tensor,  # [n, Dh] and values
+    positional: torch.Tensor | None,  # [n, n] the Transformer-XL term q_rel_i . r_k[i - j], or None
+    scale: float,
+    w_o: torch.Tensor,  # [D, Dh] head h's slice of the output projection
+    x: torch.Tensor,  # [n, D] the MoE layer's inputs
+    probs: torch.Tensor,  # [n, N] the router's softmax of each token
+    sigma: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention-aware routing of one sequence from Lemma 1, every matrix written out: the head's attention
+    A (causal softmax of its scores), the likelihood L_ij = exp(-||x_i - W_O v_j||^2 / (2 sigma^2)), the
+    posterior A^ = A L / sum_j A L -> Q = A^ P [n, N]."""
+    q, k, v, w_o, x, probs = (t.double() for t in (q, k, v, w_o, x, probs))
+    scores = q @ k.T + (0 if positional is None else positional.double())
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    attention = torch.softmax(scores * scale, dim=-1)
+    distance = ((x[:, None, :] - (v @ w_o.T)[None, :, :]) ** 2).sum(-1)  # [n, n] ||x_i - W_O v_j||^2
+    posterior = attention * torch.exp(-(distance - distance.min(dim=1, keepdim=True).values) / (2 * sigma**2))
+    return (posterior / posterior.sum(dim=1, keepdim=True)) @ probs

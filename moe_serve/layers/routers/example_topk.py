@@ -5,18 +5,14 @@ output scaled by p_max. Top-p is not defined for it (one decision per input)."""
 
 from __future__ import annotations
 
-import torch
-
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import PooledRouterConfig, Router, register
 
 
 @register("example_topk")
 class ExampleTopK(Router):
+    Config = PooledRouterConfig
+    weighting = Weighting.SOFTMAX_ALL
     per_sequence = True
     merges_experts = False
-
-    def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.topk_route(logits, top_k, max_k, "softmax_all")
+    onnx_graph = True

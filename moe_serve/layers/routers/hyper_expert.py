@@ -9,19 +9,35 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.errors import ConfigError
+from moe_serve.layers.routers.base import register
+from moe_serve.layers.routers.topk_softmax import TopKSoftmax
+
+if TYPE_CHECKING:
+    from moe_serve.model_config import MoEConfig
 
 
 @register("hyper_expert")
-class HyperExpert(Router):
-    def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.topk_route(logits, top_k, max_k, "softmax_chosen" if self.config.normalize else "softmax_all")
+class HyperExpert(TopKSoftmax):
+    """Top-k by logit weighted as topk_softmax (its `normalize` setting); the block adds the adapters."""
+
+    top_p_defined = False  # the adapters are keyed by the selected set of the trained k
+
+    @classmethod
+    def check_moe(cls, moe: MoEConfig) -> None:
+        if moe.hyper_expert is None:
+            raise ConfigError("router kind hyper_expert needs moe.hyper_expert (the HyperMoE adapters)")
+        if moe.hyper_expert.kind != "adapter":
+            raise ConfigError(f"moe.hyper_expert must be an adapter FFN; got kind {moe.hyper_expert.kind!r}")
+        if not moe.min_k == moe.default_k == moe.max_k:
+            raise ConfigError(
+                "a hyper_expert model serves only its trained k (its adapters are keyed by the selected set): "
+                f"experts_per_token min, default and max must be equal; got {moe.min_k}, {moe.default_k}, {moe.max_k}"
+            )
 
 
 def selected_sets(num_experts: int, k: int) -> list[tuple[int, ...]]:

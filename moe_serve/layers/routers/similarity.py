@@ -20,34 +20,63 @@ time, so a row's result never depends on what it is batched with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from moe_serve.config_schema import check_float
 from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import Router, RouterConfig, RouterState, register
+
+
+@dataclass(frozen=True, slots=True)
+class SimilarityConfig(RouterConfig):
+    tau: float = 1.0  # temperature of the token-similarity softmax (x_i . x_j / tau)
+
+    def __post_init__(self) -> None:
+        RouterConfig.__post_init__(self)
+        check_float("router tau", self.tau, 0.0, 1e6, low_open=True)
 
 
 @register("similarity")
 class Similarity(Router):
+    Config = SimilarityConfig
+    weighting = Weighting.SOFTMAX_CHOSEN  # of log q: q[e] / sum of the chosen q
+
+    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        super().__init__(config, num_experts)
+        assert isinstance(config, SimilarityConfig)
+        self.tau = config.tau
+
     @classmethod
     def state_size(cls, num_experts: int, hidden_size: int) -> int:
         return hidden_size + num_experts  # x_j, then p_j
 
     def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
+        self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if state is None or state.inputs is None:
+        if state is None:
             raise ValueError("similarity routing needs the step's tokens and their sequences (a RouterState)")
-        return ops.topk_route(mix(logits, state, self.config.tau).log(), top_k, max_k, "softmax_chosen")
+        return ops.topk_route(mix(logits, state, self.tau).log(), token_k, max_k, self.weighting)
 
     @classmethod
     def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:
         return k != trained_k
 
+    def reference_scores(self, x: torch.Tensor, logits: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        """The whole [n, n] matrix written out: S = the row softmax of x x^T / tau (causal: j <= i), P = the
+        router's softmax of each token -> Q = S P [n, N]."""
+        scores = x @ x.T / self.tau
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(scores, dim=-1) @ torch.softmax(logits, dim=-1)
+
 
 def mix(logits: torch.Tensor, state: RouterState, tau: float) -> torch.Tensor:
     """q [T, N] fp32: each token's similarity-weighted mix of its sequence's router distributions."""
     probs = torch.softmax(logits.float(), dim=-1)  # [T, N]
-    x = state.inputs.float()  # type: ignore[union-attr]  # [T, D]
+    x = state.inputs.float()  # [T, D]
     batch, cache, width = state.batch, state.cache, x.shape[1]
     if cache is not None:  # this step's tokens first: a token sees itself
         cache.index_copy_(0, batch.slot_mapping, torch.cat([x, probs], dim=1))  # type: ignore[arg-type]

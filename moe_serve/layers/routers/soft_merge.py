@@ -5,21 +5,17 @@ for it: one decision per input, not per token, and SMEAR's exact method merges e
 
 from __future__ import annotations
 
-import torch
-
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import PooledRouterConfig, Router, register
 
 
 @register("soft_merge")
 class SoftMerge(Router):
+    Config = PooledRouterConfig
+    weighting = Weighting.SOFTMAX_CHOSEN
     per_sequence = True
     merges_experts = True
-
-    def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.topk_route(logits, top_k, max_k, "softmax_chosen")
+    onnx_graph = True
 
     @classmethod
     def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:

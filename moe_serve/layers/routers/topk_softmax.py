@@ -4,17 +4,27 @@ SMoE); normalize=false: the chosen experts' full-softmax probabilities, whose su
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import Router, RouterConfig, register
+
+
+@dataclass(frozen=True, slots=True)
+class TopKSoftmaxConfig(RouterConfig):
+    normalize: bool = True  # softmax over the chosen (True) or their full-softmax mass (False)
+
+    def describe(self) -> str:
+        return self.kind if self.normalize else f"{self.kind} (normalize=false)"
 
 
 @register("topk_softmax")
 class TopKSoftmax(Router):
+    Config = TopKSoftmaxConfig
     top_p_defined = True
+    onnx_graph = True
 
-    def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.topk_route(logits, top_k, max_k, "softmax_chosen" if self.config.normalize else "softmax_all")
+    def __init__(self, config: RouterConfig, num_experts: int) -> None:
+        super().__init__(config, num_experts)
+        assert isinstance(config, TopKSoftmaxConfig)
+        self.weighting = Weighting.SOFTMAX_CHOSEN if config.normalize else Weighting.SOFTMAX_ALL

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.ops import Weighting
+from moe_serve.layers.routers.base import Router, register
 
 
 @register("topk_uniform")
 class TopKUniform(Router):
+    weighting = Weighting.UNIFORM
     top_p_defined = True
-
-    def route(
-        self, logits: torch.Tensor, top_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.topk_route(logits, top_k, max_k, "uniform")
+    onnx_graph = True
