@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +95,8 @@ class GenerationStream:
         self._engine = engine
         self._submission = submission
         self._done = False
-        self.on_tokens: Any = None  # called with each update's count of new tokens as it is read (metrics)
+        # Called with each update's count of new tokens as it is read (the server's token counter).
+        self.on_tokens: Callable[[int], None] | None = None
 
     @property
     def request(self) -> GenerationRequest:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from moe_serve.engine.kv_cache import CacheShape
-from moe_serve.engine.runner import StepResult, chunk_logprobs, score_targets
+from moe_serve.engine.runner import StepResult, score_logprobs, score_targets
 from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.onnx_model import INPUTS, OnnxModel, past_names
@@ -63,7 +63,7 @@ class OnnxRunner:
                     targets = score_targets(item)
                     first = width - item.num_tokens  # rows are left-padded: the chunk ends at the last column
                     chunk = logits[row, first : first + len(targets)]
-                    result.prompt_logprobs[i], result.prompt_top_logprobs[i] = chunk_logprobs(chunk, targets, item)
+                    result.prompt_logprobs[i], result.prompt_top_logprobs[i] = score_logprobs(chunk, [item])[0]
                 elif item.completes_prompt:
                     last[i] = logits[row, -1]
         if last:

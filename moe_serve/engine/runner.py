@@ -81,14 +81,6 @@ def score_targets(item: ScheduledSequence) -> list[int]:
     return item.seq.token_ids[item.start + 1 : item.end + 1]
 
 
-def chunk_logprobs(
-    logits: torch.Tensor, targets: list[int], item: ScheduledSequence
-) -> tuple[list[float], list[dict[int, float]]]:
-    """logits [len(targets), V] of a SCORE chunk's positions -> log p(target) at each, and the
-    `params.logprobs` most likely tokens at each when asked for."""
-    return score_logprobs(logits, [item])[0]
-
-
 def score_logprobs(
     logits: torch.Tensor, items: list[ScheduledSequence]
 ) -> list[tuple[list[float], list[dict[int, float]]]]:
