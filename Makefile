@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast test-vllm fuzz bench lint demos clean
+.PHONY: install install-test system-deps serve test test-fast test-triton test-vllm fuzz bench lint demos clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,12 +44,17 @@ demos: install-test
 
 # Everything CI runs: the linter and every test, slow integration tests included, and the vLLM plugin's
 # tests against real vLLM (test-vllm).
-test: install-test lint
+test: install-test lint test-triton
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 
+# The Triton (CUDA) kernels on CPU tensors under Triton's interpreter, in a process of their own (the variable
+# must be set before any kernel is defined); their sm_90 builds are checked in tests/unit/test_cuda_compile.py.
+test-triton: install-test
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/triton
+
 # The development loop (87 s on 2 idle cores, 80 s of it tests): skips the tests marked slow (each over ~1.5 s).
-test-fast: install-test lint
+test-fast: install-test lint test-triton
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # Schemathesis against the OpenAPI schema, 500 positive and 500 negative cases per operation: never a 5xx.
@@ -76,6 +81,26 @@ test-vllm: $(BENCH_VENV)/.installed
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.run
+
+# The one prepared device check (docs/gpu.md): probe, pytest -m gpu, GPU benchmark; at most 5 minutes on an H100,
+# results in $$OUT (default ./gpu-check-out). It runs the image's python3 directly, never a venv (the GPU machine
+# has no network); the script installs the wheels carried in .whl/ (make gpu-wheels) itself, before anything
+# imports moe_serve. Without CUDA it is a dry run: probe, then clean skips (make gpu-check GPU_PYTHON=.venv/bin/python).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m benchmarks.gpu_check
+
+# What moe-serve needs that the GPU image lacks (its package list: /work/.library/device/KINDS.md), as wheels for
+# its CPython 3.12 on x86-64, at the versions .venv has, into .whl/ (git-ignored; carried with carry [".whl"]).
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi starlette \
+	opentelemetry-api uvicorn python-multipart
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+gpu-wheels: | $(VENV)/.installed
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl \
+	  $$($(BIN)/python -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
+	@ls .whl && du -sh .whl
 
 lint:
 	$(BIN)/ruff check .

@@ -29,6 +29,7 @@ from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the engine imports this module; the artifact names its types only to make a runner
+    from moe_serve.config import EngineConfig
     from moe_serve.engine.kv_cache import CacheShape
     from moe_serve.engine.runner import Runner
 
@@ -63,11 +64,11 @@ class Artifact:
         """The dtype of the model's activations and KV cache."""
         return self.model.embed_tokens.weight.dtype
 
-    def make_runner(self, device: torch.device, cache_shape: CacheShape) -> Runner:
+    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
         # Imported here: the artifact is read and written without an engine (exporters, `moe-serve inspect`).
         from moe_serve.engine.model_runner import TorchRunner
 
-        return TorchRunner(self.model, device, cache_shape, self.dtype)
+        return TorchRunner(self.model, device, cache_shape, self.dtype, engine_config)
 
 
 def sha256_file(path: Path) -> str:

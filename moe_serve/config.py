@@ -26,6 +26,11 @@ class EngineConfig:
         "use into ~/.cache/moe-serve/onnx); fp32, one k per request (no moe policies)",
         choices=BACKENDS,
     )
+    cuda_graphs: bool = option(
+        True,
+        "on CUDA, replay captured graphs for steps that only decode (batch-size buckets up to --max-num-seqs); "
+        "--no-cuda-graphs runs every step eagerly",
+    )
     max_num_seqs: int = option(64, "sequences in one engine step")
     max_num_batched_tokens: int = option(
         2048, "tokens in one engine step (prompts are prefilled in chunks; a classified input must fit whole)"

@@ -17,6 +17,22 @@ from moe_serve.testing import create_random_artifact
 
 NUM_EXPERTS = 4
 
+# The Triton kernels' tests run under Triton's interpreter, which must be switched on before any kernel is
+# defined: in a pytest process of their own (`make test` runs `TRITON_INTERPRET=1 pytest tests/triton`).
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["triton"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need a CUDA device: skipped, with the reason, where there is none (CI)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the CPU kernels once, here, before any test starts a server process that would otherwise

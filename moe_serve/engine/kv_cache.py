@@ -53,7 +53,10 @@ class KVCache:
     def __init__(self, config: ModelConfig, shape: CacheShape, device: torch.device, dtype: torch.dtype) -> None:
         assert config.num_kv_heads is not None and config.head_dim is not None
         self.shape = shape
-        keys, values = cache_shapes(shape.num_blocks, shape.block_size, config.num_kv_heads, config.head_dim)
+        # One block past the pool, never handed out: the padding rows of a CUDA-graph decode step write their
+        # keys there and read them back (engine.decode_graphs), so padding never touches a sequence's blocks.
+        self.scratch_block = shape.num_blocks
+        keys, values = cache_shapes(shape.num_blocks + 1, shape.block_size, config.num_kv_heads, config.head_dim)
         # Uninitialised: pages are committed as blocks are first written; nothing reads a slot before that.
         # In 4 KiB pages, not huge ones (unlike the weights): a block's first write then commits only its own
         # pages. A huge page commits 2 MiB of every layer's keys and values at once, so one step in every

@@ -46,7 +46,7 @@ class LLMEngine:
         if config.kv_cache_tokens is not None:
             budget = min(budget, config.kv_cache_tokens * bytes_per_token(self.model_config, dtype))
         shape = cache_shape(self.model_config, dtype, budget, config.block_size)
-        self.runner: Runner = artifact.make_runner(device, shape)
+        self.runner: Runner = artifact.make_runner(device, shape, config)
         self.cache_shape = shape
         self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler_config = SchedulerConfig(

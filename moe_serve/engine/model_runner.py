@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from moe_serve.config import EngineConfig
+from moe_serve.engine.decode_graphs import DecodeGraphs, decode_graphs_for
 from moe_serve.engine.kv_cache import CacheShape, KVCache
 from moe_serve.engine.runner import StepResult, score_logprobs, score_targets
 from moe_serve.engine.scheduler import SchedulerOutput
@@ -23,14 +25,25 @@ from moe_serve.moe_policy import KSpec
 
 class TorchRunner:
     def __init__(
-        self, model: MoETransformer, device: torch.device, cache_shape: CacheShape, dtype: torch.dtype
+        self,
+        model: MoETransformer,
+        device: torch.device,
+        cache_shape: CacheShape,
+        dtype: torch.dtype,
+        engine_config: EngineConfig,
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = device
         self.cache = KVCache(model.config, cache_shape, device, dtype) if model.config.is_causal else None
+        # Decode-only steps as CUDA graphs, where they apply (engine.decode_graphs); None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = decode_graphs_for(
+            model, self.cache, engine_config.max_num_seqs, device, engine_config.cuda_graphs
+        )
 
     def execute(self, output: SchedulerOutput) -> StepResult:
+        if self.decode_graphs is not None and self.decode_graphs.accepts(output):
+            return self.decode_graphs.execute(output)
         hidden, lens, batch = self.forward(output)
         result = self._results(output, hidden, lens)
         result.experts = self._experts(output, batch)
@@ -167,6 +180,8 @@ class TorchRunner:
 
     def track_expert_load(self) -> None:
         self.model.track_expert_load()
+        if self.decode_graphs is not None:
+            self.decode_graphs.reset()  # the graphs hold the counters they were captured with
 
     def read_expert_load(self) -> dict[int, list[int]]:
         return self.model.read_expert_load()
@@ -174,9 +189,15 @@ class TorchRunner:
     def prompt_seconds(self, num_tokens: int, k: int) -> float:
         tokens = [[i % self.config.vocab_size for i in range(num_tokens)]]
         self.forward_sequences(tokens, [k])  # warm: first calls pay one-time costs
+        self._synchronize()
         start = time.perf_counter()
         self.forward_sequences(tokens, [k])
+        self._synchronize()  # CUDA runs asynchronously: time the work, not its launch
         return time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- whole sequences without a cache (tests, fold proofs, classify outside the engine) ---------
 

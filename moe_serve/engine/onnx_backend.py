@@ -43,7 +43,7 @@ class ExportedModel:
         """Exported graphs are fp32."""
         return torch.float32
 
-    def make_runner(self, device: torch.device, cache_shape: CacheShape) -> OnnxRunner:
+    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> OnnxRunner:
         # `device` is unused: the execution providers were chosen when the graph was opened, and onnxruntime
         # hands results back on the host (engine_device).
         return OnnxRunner(self.graph, cache_shape)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moe_serve.config import EngineConfig
 from moe_serve.engine.kv_cache import CacheShape
 from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from moe_serve.model_config import ModelConfig
@@ -40,8 +41,9 @@ class LoadedModel(Protocol):
         """The dtype of its activations and KV cache (what the cache budget is counted in)."""
         ...
 
-    def make_runner(self, device: torch.device, cache_shape: CacheShape) -> Runner:
-        """The runner of its steps, with a KV cache of `cache_shape` (on `device`, where the backend uses it)."""
+    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
+        """The runner of its steps, with a KV cache of `cache_shape` (on `device`, where the backend uses it),
+        run as `engine_config` says (CUDA graphs, the largest batch)."""
         ...
 
 

@@ -1,6 +1,7 @@
 """The kernels the model calls: linear, MoE experts, attention (paged or packed). Each dispatches to the
-C++ CPU kernels when they apply (CPU, float32 activations) and to plain PyTorch otherwise; the PyTorch
-versions are also the references the tests compare with.
+C++ CPU kernels when they apply (CPU, float32 activations), to the Triton kernels on CUDA
+(moe_serve.kernels.cuda: static shapes, no host sync, so a decode step can be a CUDA graph), and to plain
+PyTorch otherwise; the PyTorch versions are also the references the tests compare with.
 
 Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots,
 D hidden, I intermediate, R relative distances, NB blocks, BS block size.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from moe_serve.kernels import cpu_extension, graph
+from moe_serve.kernels import cpu_extension, cuda, graph
 from moe_serve.kernels.graph import GraphCache, PaddedBatch
 
 LINEAR_MAX_ROWS = 64  # up to this many rows the C++ kernel (weights streamed once); above, MKL's GEMM
@@ -29,6 +30,13 @@ def _cpu_ext(x: torch.Tensor):
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.jit.is_tracing():
         return None
     return cpu_extension()
+
+
+def _cuda_kernels(x: torch.Tensor) -> cuda.Kernels | None:
+    """The Triton kernels when they apply: CUDA (any dtype), Triton installed, not under a tracer."""
+    if x.device.type != "cuda" or torch.jit.is_tracing():
+        return None
+    return cuda.kernels()
 
 
 # ---- linear -----------------------------------------------------------------------------------------
@@ -46,6 +54,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ext = _cpu_ext(x)
     if ext is not None and weight.dtype == torch.float32:
         return ext.rms_norm(x, weight, eps)
+    gpu = _cuda_kernels(x)
+    if gpu is not None:
+        return gpu.norm.rms_norm(x, weight, eps)
     # F.rms_norm is one fused op, but ONNX (opset 17) has no RMSNormalization: traced, it is written out.
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.jit.is_tracing():
         return F.rms_norm(x, x.shape[-1:], weight, eps)
@@ -147,6 +158,9 @@ def moe_experts(
             bank.b2,
             ACTIVATION_IDS[bank.activation],
         )
+    gpu = _cuda_kernels(x)
+    if gpu is not None:
+        return gpu.moe.moe_experts(x, topk_ids, topk_weights, bank)
     return moe_experts_torch(x, topk_ids, topk_weights, bank)
 
 
@@ -267,6 +281,11 @@ def rotary_write(
         k_cache, v_cache = cache if cache is not None else (None, None)
         ext.rotary_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         return q, k
+    gpu = _cuda_kernels(q)
+    if gpu is not None:
+        cos, sin = rotary if rotary is not None else (None, None)
+        k_cache, v_cache = cache if cache is not None else (None, None)
+        return gpu.norm.rotary_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     if rotary is not None:
         from moe_serve.layers.positions import apply_rotary
 
@@ -314,6 +333,25 @@ def attention(
             )
         return ext.packed_attention(
             q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale, *rel
+        )
+    gpu = _cuda_kernels(q)
+    if gpu is not None and relative is None:  # Transformer-XL's positional term: the torch path below
+        if cache is not None:
+            assert batch.block_tables is not None
+            return gpu.attention.paged_attention(
+                q,
+                cache[0],
+                cache[1],
+                batch.block_tables,
+                batch.seq_ids,
+                batch.positions,
+                batch.num_keys,
+                causal,
+                scale,
+                seq_starts=batch.seq_starts,
+            )
+        return gpu.attention.packed_attention(
+            q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale
         )
     return attention_torch(q, k, v, batch, cache, causal, scale, relative)
 

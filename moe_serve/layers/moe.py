@@ -63,10 +63,12 @@ class MoEBlock(nn.Module):
             batch.expert_counts.append(hits.sum((0, 1)).to(torch.int64))
         if self.expert_load is None:
             return
-        used = topk_ids >= 0
-        weights = None if tokens_per_row is None else tokens_per_row[:, None].expand_as(topk_ids)[used].float()
-        counts = torch.bincount(topk_ids[used], weights=weights, minlength=self.config.num_experts)
-        self.expert_load += counts.to(self.expert_load.dtype)
+        # A scatter-add of each slot's tokens (0 for an unused slot): no boolean indexing or bincount, whose
+        # sizes would need a device-to-host read (a CUDA graph cannot hold one; every step would wait on it).
+        tokens = (topk_ids >= 0).long()
+        if tokens_per_row is not None:
+            tokens = tokens * tokens_per_row[:, None].long()
+        self.expert_load.scatter_add_(0, topk_ids.clamp(min=0).flatten(), tokens.flatten())
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._router if self._router is not None else self._router_weights()

@@ -1,0 +1,65 @@
+"""The CUDA kernels: Triton programs for the ops in moe_serve.kernels.ops (MoE experts, paged attention,
+norms, rotary plus cache write), dispatched there for CUDA tensors as the C++ kernels are for CPU ones.
+
+Nothing here syncs with the host: every shape a launch needs is static (the artifact's max k, the batch's
+token count), and what varies per row (its k, its sequence length) is read on the device.
+
+Triton is optional: without it (or with MOE_SERVE_KERNELS=torch) CUDA takes the plain-torch twins in ops.
+The CPU test suite runs these kernels under Triton's interpreter (TRITON_INTERPRET=1, tests/triton) and
+compiles every configuration in SM90_SPECS for sm_90 without a GPU (tests/unit/test_cuda_compile.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and os.environ.get("MOE_SERVE_KERNELS", "auto") != "torch"
+
+
+def interpreting() -> bool:
+    """Under Triton's interpreter the kernels run on CPU tensors (the tests' way to check them)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """One kernel configuration to build ahead of time: `triton.compile(ASTSource(kernel, signature,
+    constexprs), target=GPUTarget("cuda", 90, 32))` (tests/unit/test_cuda_compile.py)."""
+
+    name: str
+    kernel: Any  # the @triton.jit function
+    signature: dict[str, str]  # argument -> "*bf16", "*fp32", "*i32", "*i64", "i32", "fp32", "constexpr"
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel modules, imported together on first use (Triton compiles each kernel at its first launch)."""
+
+    moe: Any  # moe_serve.kernels.cuda.moe
+    attention: Any  # moe_serve.kernels.cuda.attention
+    norm: Any  # moe_serve.kernels.cuda.norm
+
+
+_kernels: Kernels | None = None
+_decided = False
+
+
+def kernels() -> Kernels | None:
+    """The CUDA kernels, or None without Triton (or with MOE_SERVE_KERNELS=torch). Decided once: ops asks
+    on every call."""
+    global _kernels, _decided
+    if not _decided:
+        _decided = True
+        if triton_available():
+            from moe_serve.kernels.cuda import attention, moe, norm
+
+            _kernels = Kernels(moe, attention, norm)
+    return _kernels
