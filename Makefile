@@ -54,8 +54,9 @@ test-triton: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/triton
 
 # The development loop (87 s on 2 idle cores, 80 s of it tests): skips the tests marked slow (each over ~1.5 s).
-test-fast: install-test lint test-triton
+test-fast: install-test lint
 	$(BIN)/python -m pytest -q -m "not slow"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow" tests/triton
 
 # Schemathesis against the OpenAPI schema, 500 positive and 500 negative cases per operation: never a 5xx.
 fuzz: install-test
