@@ -11,7 +11,7 @@ one hang cannot eat the others' time, and a phase that cannot run is recorded as
    with `pip --no-index`; on a machine with nvidia-smi where `moe_serve.exporters` is not importable (the
    image, where the repository is a bare copy), `pip install --no-index --no-deps --no-build-isolation -e .`;
 2. probe: versions, the device, its multiprocessors and free memory, which modules import;
-3. tests: `pytest -m gpu -x` over the test files that mention the gpu mark (log and junit xml in OUT);
+3. tests: `pytest -m gpu --maxfail=10` over the test files that mention the gpu mark (log and junit xml in OUT);
 4. bench, one process per model (the large first): random bf16 Mixtral-format weights built on the GPU with
    transformers' own class, converted in memory by exporters.hf into a moe-serve model; decode tokens/s at
    batch 1, 16, 64 x k = 1, 2, N, mixed x CUDA graphs / eager; prefill tokens/s on 512-token prompts;
@@ -74,7 +74,7 @@ class Budget:
     total_s: float = 290.0
     setup_s: float = 60.0  # the wheels and, on the image, the editable install of the repository
     probe_s: float = 45.0  # imports torch and initialises CUDA
-    tests_s: float = 100.0  # pytest -m gpu, the CPU-kernel build that tests/conftest.py starts included
+    tests_s: float = 130.0  # pytest -m gpu, the CPU-kernel build that tests/conftest.py starts included
     bench_min_s: float = 60.0  # the tests stop this much before the end so that the benchmark still runs
     large_share: float = 0.6  # of the benchmark's time, for the large model (the goals are measured on it)
     report_s: float = 5.0  # kept for writing the report
@@ -842,7 +842,8 @@ def gpu_test_files() -> list[str]:
     """The test files that use the gpu mark (a module's pytestmark or a decorator): collecting only these keeps
     pytest off the modules that import what the image lacks (schemathesis, playwright, openai ...), whose
     collection errors would stop the run."""
-    files = sorted(ROOT.glob("tests/**/test_*.py"))
+    # Kernel tests first: when something fails, the kernel that fails is the most telling result.
+    files = sorted(ROOT.glob("tests/**/test_*.py"), key=lambda p: ("kernel" not in p.name, str(p)))
     return [str(p.relative_to(ROOT)) for p in files if _GPU_MARK.search(p.read_text(errors="replace"))]
 
 
@@ -852,7 +853,20 @@ def tests_phase(phase: Phase, env: dict[str, str], out: Path) -> None:
         phase.reason = "no test file mentions pytest.mark.gpu"
         return
     xml = out / "gpu_tests.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider"]
+    # Not -x: one failure must not hide the rest of a run that cannot be repeated at will; a hung test costs
+    # at most its own timeout.
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "--maxfail=10",
+        "--timeout=60",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
     command += [f"--junitxml={xml}", *files]
     assert phase.limit_s is not None
     status, reason = run_logged(command, phase.limit_s, env, out / "gpu_tests.log", "pytest -m gpu")

@@ -3,9 +3,9 @@
 A decode step is many small kernels (about 30 per sequence per layer through the eager path) whose launch
 cost, not their work, sets the batch-1 step time on a GPU. Here a step that only decodes copies its inputs
 into fixed device buffers with one host-to-device copy (from one pinned staging buffer) and replays a CUDA
-graph captured for its batch-size bucket; the graph holds the whole forward and the LM head. Sampling stays
-outside (it reads the logits the graph wrote). Steps that prefill, score or classify run eagerly
-(engine.model_runner).
+graph captured at start-up for its batch-size bucket; the graph holds the whole forward and the LM head.
+Sampling stays outside (it reads the logits the graph wrote). Steps that prefill, score or classify run
+eagerly (engine.model_runner).
 
 What makes the forward capturable is that nothing in it reads the device from the host: every shape is
 the bucket's, routing takes the artifact's max k with -1 slots beyond each row's k (per-row k is a device
@@ -22,6 +22,7 @@ Legend: B bucket (padded batch), N sequences in the step, MB blocks per sequence
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
+
+_CAPTURE_LOCK = threading.Lock()
 
 
 def bucket_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -158,11 +161,18 @@ class DecodeGraphs:
             for item in items
         )
 
-    def reset(self) -> None:
-        """Drop the captured graphs (they hold the tensors they were captured with: expert-load counters that
-        track_expert_load replaces, say); the next steps capture again."""
+    def capture_all(self) -> None:
+        """Every bucket's graph (and, for a router kind with top-p policies, its adaptive twin), largest first
+        so that the smaller ones reuse the pool's memory: at start-up, on one thread, never mid-serving;
+        again when the graphs' tensors are replaced (track_expert_load's counters).
+        Captured on padding rows alone, so the warm-up forwards count no experts and write no keys but the
+        scratch block's."""
         self._graphs.clear()
-        self._pool = None
+        for bucket in reversed(self.buckets):
+            for adaptive in (False, True) if self.adaptive_defined else (False,):
+                self._stage_padding(bucket)
+                self._graphs[(bucket, adaptive)] = self._capture(bucket, adaptive)
+        torch.cuda.synchronize(self.device)
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -172,14 +182,8 @@ class DecodeGraphs:
         n = len(items)
         bucket = next(b for b in self.buckets if b >= n)
         adaptive = self.adaptive_defined and any(item.seq.k_spec.adaptive for item in items)
-        key = (bucket, adaptive)
-        if self.capture and key not in self._graphs:
-            # Captured on padding rows alone: the warm-up forwards then count no experts and write no keys
-            # but the scratch block's.
-            self._stage(output, bucket, num_real=0)
-            self._graphs[key] = self._capture(bucket, adaptive)
         self._stage(output, bucket, num_real=n)
-        logits = self._run(key)
+        logits = self._run((bucket, adaptive))
         result = StepResult(sample_items=list(range(n)), logits=logits[:n].clone())
         if not self.moe_layers:
             return result
@@ -189,6 +193,9 @@ class DecodeGraphs:
         else:
             result.experts = {i: (1, None) for i in range(n)}
         return result
+
+    def _stage_padding(self, bucket: int) -> None:
+        self._stage(SchedulerOutput([]), bucket, num_real=0)
 
     def _stage(self, output: SchedulerOutput, bucket: int, num_real: int) -> None:
         """The first num_real sequences' inputs into the staging buffer, rows num_real..bucket-1 padding,
@@ -235,16 +242,18 @@ class DecodeGraphs:
         """Warm up on a side stream (Triton compiles its kernels at their first launch, which a capture must
         not see), then capture."""
         batch = self._batch(bucket, adaptive, host_lengths=False)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(batch)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(batch)
-        self._pool = graph.pool()
+        with _CAPTURE_LOCK:  # one capture at a time in the process (a server loads several models)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(batch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another model's engine thread may sync (an eager step) while this one captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self._forward(batch)
+            self._pool = graph.pool()
         return graph, logits
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -290,4 +299,6 @@ def decode_graphs_for(
         return None
     if unsupported_reason(model.config) is not None:
         return None
-    return DecodeGraphs(model, cache, max_num_seqs, device, capture=True)
+    graphs = DecodeGraphs(model, cache, max_num_seqs, device, capture=True)
+    graphs.capture_all()
+    return graphs

@@ -180,8 +180,8 @@ class TorchRunner:
 
     def track_expert_load(self) -> None:
         self.model.track_expert_load()
-        if self.decode_graphs is not None:
-            self.decode_graphs.reset()  # the graphs hold the counters they were captured with
+        if self.decode_graphs is not None and self.decode_graphs.capture:
+            self.decode_graphs.capture_all()  # the graphs hold the counters they were captured with
 
     def read_expert_load(self) -> dict[int, list[int]]:
         return self.model.read_expert_load()

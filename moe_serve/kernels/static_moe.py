@@ -49,7 +49,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))  # [E + 1], bincount without its host sync
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0  # the no-expert group takes no rows
+    padded[num_experts:].zero_()  # the no-expert group takes no rows (a fill: `padded[E] = 0` is a host copy)
     group_end = torch.cumsum(padded, 0)  # [E + 1] aligned row after each group
     group_first = group_end - padded  # [E + 1] its first aligned row
     order = torch.sort(key, stable=True).indices  # [S] slots by expert, slot order within one

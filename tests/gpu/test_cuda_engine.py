@@ -59,36 +59,37 @@ def test_imported_mixtral_greedy_tokens_on_cuda_fp32_equal_cpu_fp32(tmp_path: Pa
         assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu], f"k={k}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mixed_k_batch_equals_each_request_alone_on_cuda(tiny: Path, dtype: str) -> None:
-    llm = LLM(tiny, device="cuda", dtype=dtype)
+# Token equality in fp32: in bf16 a graphed step's rows are padded to the bucket and an eager step's are not,
+# so cuBLAS may pick another GEMM for the dense projections, and a near-tie of random weights can flip a token
+# (bf16 is checked where the shapes are the same: the graph against the same static forward run eagerly).
+def test_mixed_k_batch_equals_each_request_alone_on_cuda(tiny: Path) -> None:
+    llm = LLM(tiny, device="cuda", dtype="float32")
     params = [greedy(6 + 2 * i, 1 + i % NUM_EXPERTS, logprobs=2) for i in range(len(PROMPTS))]
     together = llm.generate(PROMPTS, params)
     for prompt, p, batched in zip(PROMPTS, params, together, strict=True):
         alone = llm.generate([prompt], p)[0]
         assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
-        # The dense projections are cuBLAS GEMMs, whose kernel choice may change with the number of rows.
-        atol = 1e-4 if dtype == "float32" else 5e-2
         torch.testing.assert_close(
-            torch.tensor(alone.outputs[0].logprobs), torch.tensor(batched.outputs[0].logprobs), atol=atol, rtol=0
+            torch.tensor(alone.outputs[0].logprobs), torch.tensor(batched.outputs[0].logprobs), atol=1e-4, rtol=0
         )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replay_equals_eager(tiny: Path, dtype: str) -> None:
+def test_graph_replay_equals_eager(tiny: Path) -> None:
     params = [greedy(12, 1 + i % NUM_EXPERTS, logprobs=2) for i in range(len(PROMPTS))]
-    eager_llm = LLM(tiny, device="cuda", dtype=dtype, cuda_graphs=False)
+    eager_llm = LLM(tiny, device="cuda", dtype="float32", cuda_graphs=False)
     assert eager_llm.engine.runner.decode_graphs is None  # type: ignore[attr-defined]
     eager = eager_llm.generate(PROMPTS, params)
-    graphed_llm = LLM(tiny, device="cuda", dtype=dtype)
+    graphed_llm = LLM(tiny, device="cuda", dtype="float32")
     graphs = graphs_of(graphed_llm)
+    replayed = []
+    run = graphs._run
+    graphs._run = lambda key: replayed.append(key) or run(key)  # type: ignore[method-assign]
     graphed = graphed_llm.generate(PROMPTS, params)
-    assert graphs._graphs, "the decode steps replayed captured graphs"
+    assert replayed, "the decode steps replayed captured graphs"
     for a, b in zip(graphed, eager, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        atol = 1e-4 if dtype == "float32" else 5e-2
         torch.testing.assert_close(
-            torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=atol, rtol=0
+            torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-4, rtol=0
         )
 
 
@@ -151,14 +152,23 @@ def test_top_p_policy_and_expert_counts_on_the_device_equal_cpu(tiny: Path) -> N
     assert gpu_load == cpu_load
 
 
-def test_bf16_demo_serves_through_graphs_with_finite_logprobs() -> None:
-    llm = LLM(DEMO, device="cuda")  # auto: bfloat16 on CUDA
+def test_bf16_serves_through_graphs_with_finite_logprobs(tiny: Path) -> None:
+    llm = LLM(tiny, device="cuda")  # auto: bfloat16 on CUDA
     assert llm.artifact.dtype == torch.bfloat16
-    out = llm.generate(PROMPTS * 8, greedy(16, logprobs=1))  # 40 sequences: buckets up to 40
     assert graphs_of(llm)._graphs
+    out = llm.generate(PROMPTS * 8, greedy(16, logprobs=1))  # 40 sequences: buckets up to 40
     for o in out:
         assert len(o.outputs[0].token_ids) == 16
         assert all(lp == lp and lp > float("-inf") for lp in o.outputs[0].logprobs)
+
+
+def test_demo_with_relative_attention_decodes_eagerly_on_cuda() -> None:
+    """The bundled demos use Transformer-XL attention, whose torch path reads lengths on the host: no graphs,
+    and the same tokens as the CPU (above); here they say why."""
+    llm = LLM(DEMO, device="cuda")
+    assert llm.engine.runner.decode_graphs is None  # type: ignore[attr-defined]
+    out = llm.generate(PROMPTS, greedy(8))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
 
 def test_server_end_to_end_on_cuda(tmp_path_factory, tiny: Path) -> None:

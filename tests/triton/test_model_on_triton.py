@@ -15,6 +15,7 @@ from moe_serve.engine.model_runner import TorchRunner
 from moe_serve.kernels import cuda, ops
 from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, lm_config, moe_config
+from tests.host_reads import HostReads
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
@@ -81,3 +82,26 @@ def _reference(artifact):
 @pytest.fixture(scope="module", autouse=True)
 def cpu_reference(artifact):
     _references[artifact] = LLM(artifact, max_num_seqs=4, enable_prefix_caching=False).generate(PROMPTS, params())
+
+
+def test_static_decode_forward_reads_nothing_on_the_host(artifact, triton_ops) -> None:
+    """What a CUDA graph captures, op by op: no host read, no host value made into a tensor (on CUDA either
+    one fails the capture, or stalls every eager step)."""
+    llm = LLM(artifact, max_num_seqs=4, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert isinstance(runner, TorchRunner) and runner.cache is not None
+    graphs = DecodeGraphs(runner.model, runner.cache, 4, runner.device, capture=False)
+    runner.decode_graphs = graphs
+    forward = graphs._forward
+    reads: list[list[str]] = []
+
+    def watched(batch):
+        with HostReads() as seen:
+            logits = forward(batch)
+        reads.append(seen.seen)
+        return logits
+
+    graphs._forward = watched  # type: ignore[method-assign]
+    policy = {"policy": "top_p", "p": 0.6, "min": 1, "max": NUM_EXPERTS}
+    llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, moe=policy)] * 2)
+    assert reads and all(seen == [] for seen in reads), reads

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_serve.kernels import ops
 from moe_serve.kernels.static_moe import align, capacity, moe_experts_blocked
+from tests.host_reads import HostReads
 
 K = 4
 # Relative to the output's largest value. bf16: the blocked bmm and the grouped GEMM round at the same
@@ -67,23 +67,6 @@ def test_align_shapes_follow_only_t_k_e_block_m() -> None:
     assert len(shapes) == 1
     nothing = align(routings[0], e, block_m)
     assert (nothing.sorted_slots == t * K).all() and (nothing.block_expert == -1).all()
-
-
-class HostReads(TorchDispatchMode):
-    """Records the ops that read a tensor on the host or size their output by its values."""
-
-    SYNCING = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique", "repeat_interleave"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        indices = args[1] if name in ("index", "index_put", "index_put_", "_index_put_impl_") else ()
-        if name in self.SYNCING or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def test_no_host_sync() -> None:

@@ -268,7 +268,8 @@ def moe_experts(
     t, num_k = topk_ids.shape
     num_experts, intermediate, hidden = bank.w1.shape
     assert bank.w1.dtype == x.dtype, "the bank and the activations share one dtype"
-    assert bank.w1.is_contiguous() and bank.w2.is_contiguous(), "the kernels index contiguous weights"
+    parts = (bank.w1, bank.w2, bank.w3, bank.b1, bank.b3, bank.b2)
+    assert all(p is None or p.is_contiguous() for p in parts), "the kernels index contiguous weights and biases"
     out = x.new_empty(t, hidden)
     if t == 0:
         return out
