@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast test-triton test-vllm fuzz bench lint demos clean gpu-check gpu-wheels
+.PHONY: install install-test system-deps serve test test-fast test-triton test-vllm test-vllm-gpu fuzz bench lint demos clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,9 +76,35 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_VENV)/bin/python -m moe_serve.kernels
 	touch $@
 
-# moe_serve.vllm_plugin against real vLLM (tests/vllm: vllm.LLM and `vllm serve` with the openai client).
-test-vllm: $(BENCH_VENV)/.installed
+# moe_serve.vllm_plugin against real vLLM (tests/vllm: vllm.LLM and `vllm serve` with the openai client), and
+# against vLLM's GPU build (test-vllm-gpu).
+test-vllm: $(BENCH_VENV)/.installed test-vllm-gpu
 	$(BENCH_VENV)/bin/python -m pytest -q tests/vllm
+
+# vLLM's GPU build (0.33) beside the CPU torch 2.13, installed with --no-deps: its Python imports, GPU model
+# runner included, though nothing of it can run without a GPU. Its requirements minus the CUDA-only ones
+# (VLLM_GPU_SKIP); about 2 minutes and 3.1 GB the first time. tests/vllm_gpu drive the plugin's V2 model state
+# through vLLM's real classes on CPU tensors (VLLM_TARGET_DEVICE=cpu; Triton's interpreter runs vLLM's
+# staged-write kernel).
+VLLM_GPU_VENV ?= .venv-vllm-gpu
+VLLM_GPU_SKIP := torch torchaudio torchvision torchcodec pynvvideocodec flashinfer-python apache-tvm-ffi tilelang \
+	nvidia-cudnn-frontend nvtx fastsafetensors instanttensor nvidia-cutlass-dsl quack-kernels tokenspeed-mla \
+	humming-kernels numba
+$(VLLM_GPU_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_GPU_VENV)
+	$(VLLM_GPU_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_GPU_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_GPU_VENV)/bin/pip install --quiet --no-deps vllm==0.33.0
+	$(VLLM_GPU_VENV)/bin/python -c 'import importlib.metadata as m, re; skip = set("$(VLLM_GPU_SKIP)".split()); \
+	  print("\n".join(r for r in m.requires("vllm") if "extra ==" not in r \
+	  and re.split(r"[<>=!~\[; ]", r)[0].lower().replace("_", "-") not in skip))' > $(VLLM_GPU_VENV)/requirements.txt
+	$(VLLM_GPU_VENV)/bin/pip install --quiet -r $(VLLM_GPU_VENV)/requirements.txt triton==3.6.0 "pytest>=8" \
+	  "pytest-timeout>=2.3"
+	$(VLLM_GPU_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+test-vllm-gpu: $(VLLM_GPU_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(VLLM_GPU_VENV)/bin/python -m pytest -q tests/vllm_gpu
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from moe_serve.model_config import ModelConfig
 from moe_serve.vllm_plugin import ARCHITECTURE
 from moe_serve.vllm_plugin.parallel import Shards
 from moe_serve.vllm_plugin.parallel import problems as parallel_problems
+
+logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "moe_serve"
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py) take these head sizes.
@@ -84,7 +87,7 @@ def unsupported(config: ModelConfig) -> list[str]:
         )
     elif config.position != "rotary":
         problems.append(f"position {config.position} (the plugin implements rotary positions)")
-    if config.head_dim not in CPU_HEAD_SIZES:
+    if config.head_dim not in CPU_HEAD_SIZES and _on_cpu():
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         problems.append(f"head_dim {config.head_dim} (vLLM's CPU attention takes {sizes})")
     if config.moe is not None:
@@ -159,27 +162,58 @@ class ModelConfigHook(VerifyAndUpdateConfig):
             )
         shards = Shards(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
         refusals += parallel_problems(vllm_config.model_config.hf_config.model_config, shards)
-        if not current_platform.is_cpu():
+        if not (current_platform.is_cpu() or current_platform.is_cuda()):
             refusals.append(
-                "platforms other than CPU: per-request k is wired into the V1 model runner of vLLM's CPU build "
-                "(the GPU build's default V2 runner is not wired yet)"
+                f"platform {current_platform.device_type or 'unknown'}: per-request k is wired into vLLM's CPU "
+                "build (V1 runner) and its CUDA build (V2 runner, or V1 with VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+        if vllm_config.speculative_config is not None:
+            refusals.append(
+                "speculative decoding (--speculative-config): draft tokens would be verified at a k the draft "
+                "model never saw, and the plugin's per-token k does not cover draft positions"
             )
         if vllm_config.model_config.runner_type != "generate":
             refusals.append(
                 f"--runner {vllm_config.model_config.runner_type} (the plugin serves generation; per-request k "
                 "does not reach vLLM's pooling runner)"
             )
-        if parallel.worker_cls not in ("auto", WORKER):
-            refusals.append(f"--worker-cls {parallel.worker_cls} (the plugin installs its own, {WORKER})")
+        worker = CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+        if parallel.worker_cls not in ("auto", worker):
+            refusals.append(f"--worker-cls {parallel.worker_cls} (the plugin installs its own, {worker})")
         if refusals:
             raise ValueError("moe-serve's vLLM plugin does not support " + "; ".join(refusals))
-        parallel.worker_cls = WORKER
+        parallel.worker_cls = worker
+        if current_platform.is_cuda():
+            _eager_on_gpu(vllm_config)
         model_config = vllm_config.model_config
         model_config.logits_processors = [*(model_config.logits_processors or []), requests.VALIDATOR]
         requests.serve(model_config.hf_config.model_config)
 
 
-WORKER = "moe_serve.vllm_plugin.worker.MoeServeCPUWorker"
+CPU_WORKER = "moe_serve.vllm_plugin.worker.MoeServeCPUWorker"
+GPU_WORKER = "moe_serve.vllm_plugin.worker.MoeServeGPUWorker"
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _eager_on_gpu(vllm_config: Any) -> None:
+    """CUDA graphs off on GPU until a GPU run has shown replay equal to eager: the forward is graph-safe by
+    construction (static shapes, k on the device, the Triton MoE without host syncs; moe_serve.kernels.cuda),
+    but no GPU with vLLM's GPU build has run it (docs/vllm.md)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode not in (None, CUDAGraphMode.NONE):
+        logger.warning(
+            "moe-serve's vLLM plugin sets cudagraph_mode to NONE (was %s): its graph replay has not yet been "
+            "checked against eager on a GPU",
+            compilation.cudagraph_mode,
+        )
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
 
 
 def register() -> None:

