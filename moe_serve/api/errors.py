@@ -78,4 +78,6 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if error.get("type") == "missing":
         return f"{param} is required", param
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")  # our validators' own words
+    if param and message.startswith(f"{param}["):  # it names the place itself (`prompt[1][3] is null`)
+        return message, param
     return (f"{param}: {message}" if param else message), param

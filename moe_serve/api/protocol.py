@@ -12,7 +12,17 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from moe_serve.errors import ValidationError
 
@@ -49,6 +59,29 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
 # A JSON number (an integer is a number: `1` is 1.0), never a string or a boolean: as strict as the int fields.
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+
+
+def _no_null_tokens(prompt: Any) -> Any:
+    """A null in a token-id prompt, named by its place: the union of prompt shapes would otherwise report only
+    that the prompt is not a string. lm-evaluation-harness's rolling perplexity sends one as the prefix token
+    of a model with neither BOS nor EOS."""
+    if not isinstance(prompt, list):
+        return prompt
+    for i, item in enumerate(prompt):
+        places = (
+            [(f"prompt[{i}][{j}]", t) for j, t in enumerate(item)]
+            if isinstance(item, list)
+            else [(f"prompt[{i}]", item)]
+        )
+        for place, token in places:
+            if token is None:
+                raise ValueError(
+                    f"{place} is null, not a token id (lm-evaluation-harness sends null as the prefix token of a "
+                    "model without BOS or EOS: give it custom_prefix_token_id)"
+                )
+    return prompt
+
+
 # A request's k: a number of experts, or "auto" (the server picks k under its latency target).
 RequestK = Annotated[StrictInt, Field(ge=1)] | Literal["auto"]
 
@@ -209,7 +242,7 @@ _SAMPLING_FIELDS = (
 
 class CompletionRequest(_SamplingFields):
     model: Text | None = None
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(_no_null_tokens)]
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0 only with echo: score the prompt
     echo: StrictBool = False  # the prompt precedes the completion (with its logprobs: None for the first token)
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None

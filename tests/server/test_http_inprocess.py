@@ -117,3 +117,16 @@ def test_metrics_exports_engine_gauges(app) -> None:
         "moe_serve_e2e_request_latency_seconds_bucket",
     ):
         assert name in text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "place"), [([None, 5, 6], "prompt[0]"), ([[1, 2], [3, None]], "prompt[1][1]"), ([7, None], "prompt[1]")]
+)
+def test_a_null_token_id_is_named_by_its_place(app, prompt: list, place: str) -> None:
+    """lm-evaluation-harness's rolling perplexity sends null as the prefix token of a model with neither BOS nor
+    EOS: the 400 names where, and the option that fixes it."""
+    r = call(app, "POST", "/v1/completions", json={"model": "tiny-lm", "prompt": prompt, "max_tokens": 1, "echo": True})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "prompt"
+    assert error["message"].startswith(f"{place} is null") and "custom_prefix_token_id" in error["message"]
