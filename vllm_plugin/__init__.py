@@ -11,8 +11,9 @@ for per-request data, vllm#29277; its V2 runner, the GPU build's default, asks t
 - config (`config.py`): a config parser for the artifact's own config.json, registered under vLLM's "hf"
   format (so no flag is needed; every other directory goes to vLLM's own parser), and a per-architecture
   hook that refuses what the plugin cannot run, installs the worker and the request validator.
-- requests (`requests.py`): a logits processor that changes no logit; vLLM calls its `validate_params` in
-  the API process before a request is queued, so a bad k is an HTTP 400. The same module adds the
+- requests (`requests.py`, and `validator_v2.py` for the V2 runner's interface): a logits processor that
+  changes no logit; vLLM calls its `validate_params` in the API process before a request is queued, so a bad
+  k is an HTTP 400. The same module adds the
   request's k to the prefix cache's block hashes: a prompt's keys and values depend on k.
 - worker (`worker.py`, V1 runner): after vLLM lays out a step's tokens, the worker writes each token's k
   into the model's int64 buffer, one vectorised repeat over the step's requests (no per-token Python).

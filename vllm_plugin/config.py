@@ -167,6 +167,11 @@ class ModelConfigHook(VerifyAndUpdateConfig):
                 f"platform {current_platform.device_type or 'unknown'}: per-request k is wired into vLLM's CPU "
                 "build (V1 runner) and its CUDA build (V2 runner, or V1 with VLLM_USE_V2_MODEL_RUNNER=0)"
             )
+        if parallel.use_ubatching:
+            refusals.append(
+                "micro-batching (--enable-dbo, --ubatch-size): vLLM splits a step's inputs per micro-batch, and "
+                "each token's k would not follow them"
+            )
         if vllm_config.speculative_config is not None:
             refusals.append(
                 "speculative decoding (--speculative-config): draft tokens would be verified at a k the draft "
@@ -186,7 +191,8 @@ class ModelConfigHook(VerifyAndUpdateConfig):
         if current_platform.is_cuda():
             _eager_on_gpu(vllm_config)
         model_config = vllm_config.model_config
-        model_config.logits_processors = [*(model_config.logits_processors or []), requests.VALIDATOR]
+        validator = requests.VALIDATOR_V2 if vllm_config.use_v2_model_runner else requests.VALIDATOR
+        model_config.logits_processors = [*(model_config.logits_processors or []), validator]
         requests.serve(model_config.hf_config.model_config)
 
 

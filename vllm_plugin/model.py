@@ -129,7 +129,11 @@ class MoeServeForCausalLM(MoETransformer):
         # (model_state.py).
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         device = torch.device(vllm_config.device_config.device_type)
-        self._staged_k = torch.full((max_tokens,), self.default_k, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # device="cpu" spelled out: vLLM builds the model under `with torch.device("cuda")`, which would make
+        # an unnamed device CUDA (and a pinned CUDA tensor is refused).
+        self._staged_k = torch.full(
+            (max_tokens,), self.default_k, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda"
+        )
         self.experts_per_token = torch.full((max_tokens,), self.default_k, dtype=torch.int64, device=device)
 
     def _settle_parameters(self) -> None:
@@ -153,8 +157,10 @@ class MoeServeForCausalLM(MoETransformer):
         return MoeServeModelState
 
     def set_experts_per_token(self, per_token: np.ndarray) -> None:
-        """The V1 runner's step: its tokens' k, through the host staging buffer in one non-blocking copy (the
-        previous step's copy has finished: its outputs were read before this step was laid out)."""
+        """The V1 runner's step: its tokens' k, through the host staging buffer in one non-blocking copy. The
+        worker calls this inside the runner's `_prepare_inputs`, which vLLM's GPU runner runs under its
+        input-preparation event (`synchronize_input_prep`): the previous step's copies from host buffers have
+        completed by then, under asynchronous scheduling too, so the staging buffer is free to overwrite."""
         n = len(per_token)
         self._staged_k[:n].copy_(torch.from_numpy(per_token))
         self.experts_per_token[:n].copy_(self._staged_k[:n], non_blocking=True)

@@ -14,7 +14,8 @@ from moe_serve.model_config import ModelConfig
 from moe_serve.validation import check_int
 
 KEY = "experts_per_token"  # in vllm_xargs (REST) and SamplingParams.extra_args (Python)
-VALIDATOR = "moe_serve.vllm_plugin.requests:ExpertsPerTokenValidator"
+VALIDATOR = "moe_serve.vllm_plugin.requests:ExpertsPerTokenValidator"  # vLLM's V1 runner
+VALIDATOR_V2 = "moe_serve.vllm_plugin.validator_v2:ExpertsPerTokenValidatorV2"  # its V2 runner (a GPU build's)
 # Per-request moe-serve fields vLLM would otherwise carry without effect: refused by name.
 NOT_IN_VLLM = {"moe": "top-p policies (moe) choose k per token and are not wired into vLLM; give experts_per_token"}
 
@@ -36,26 +37,32 @@ def requested_k(params: Any, default: int, low: int, high: int) -> int:
     return min(max(value, low), high)
 
 
+def validate_request(sampling_params: Any) -> None:
+    """A request's moe-serve fields, checked where vLLM accepts it: VLLMValidationError is vLLM's HTTP 400 (and
+    LLM.generate's exception), naming the field."""
+    extra = sampling_params.extra_args or {}
+    for name, why in NOT_IN_VLLM.items():
+        if name in extra:
+            raise VLLMValidationError(f"{name}: {why}", parameter=name, value=extra[name])
+    value = extra.get(KEY)
+    if value is None:
+        return
+    moe = _served.moe if _served is not None else None
+    try:
+        if moe is None:
+            raise ValidationError(f"{KEY} was given but the served model has no MoE layers", parameter=KEY)
+        check_int(KEY, value, moe.min_k, moe.max_k)  # moe-serve's own rule and wording
+    except ValidationError as exc:
+        raise VLLMValidationError(str(exc), parameter=KEY, value=value) from None
+
+
 class ExpertsPerTokenValidator(LogitsProcessor):
-    """Changes no logit. vLLM calls `validate_params` in the process that accepts the request, before it is
-    queued; its VLLMValidationError is vLLM's HTTP 400 (and LLM.generate's exception), naming the field."""
+    """Changes no logit: a V1-runner logits processor only for `validate_params`, which vLLM calls in the
+    process that accepts the request, before it is queued (validator_v2.py: the V2 runner's twin)."""
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        extra = sampling_params.extra_args or {}
-        for name, why in NOT_IN_VLLM.items():
-            if name in extra:
-                raise VLLMValidationError(f"{name}: {why}", parameter=name, value=extra[name])
-        value = extra.get(KEY)
-        if value is None:
-            return
-        moe = _served.moe if _served is not None else None
-        try:
-            if moe is None:
-                raise ValidationError(f"{KEY} was given but the served model has no MoE layers", parameter=KEY)
-            check_int(KEY, value, moe.min_k, moe.max_k)  # moe-serve's own rule and wording
-        except ValidationError as exc:
-            raise VLLMValidationError(str(exc), parameter=KEY, value=value) from None
+        validate_request(sampling_params)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         pass

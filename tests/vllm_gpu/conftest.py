@@ -1,6 +1,6 @@
 """The plugin against vLLM's GPU build (0.33), installed without its CUDA parts beside the CPU torch
 (`make test-vllm-gpu`, .venv-vllm-gpu): its classes run on CPU tensors with VLLM_TARGET_DEVICE=cpu. Skipped
-where that build is not installed (vLLM's CPU build has no V2 model-state hook to test here)."""
+where that build is not installed (the CPU build's tests are tests/vllm, in .venv-bench)."""
 
 from __future__ import annotations
 

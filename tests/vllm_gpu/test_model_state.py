@@ -51,14 +51,23 @@ def test_expand_k_matches_the_reference(seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm_config(tmp_path_factory) -> object:
+def artifact(tmp_path_factory) -> Path:
+    config = lm_config(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=256)
+    return create_random_artifact(tmp_path_factory.mktemp("v2") / "baby", config, seed=1)
+
+
+def engine_config(artifact: Path) -> object:
     """vLLM's real engine config for a plugin artifact (the plugin's config hook runs in it)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    config = lm_config(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=256)
-    artifact = create_random_artifact(tmp_path_factory.mktemp("v2") / "baby", config, seed=1)
     args = EngineArgs(model=str(artifact), dtype="float32", max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS)
     return args.create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def vllm_config(artifact: Path) -> object:
+    """Shared by the tests that only read it."""
+    return engine_config(artifact)
 
 
 @dataclasses.dataclass
@@ -151,26 +160,49 @@ def test_out_of_range_k_is_clamped_not_crashing(vllm_config) -> None:
     assert got.tolist() == [MAX_K, MAX_K, DEFAULT_K, MIN_K]
 
 
-def test_gpu_platform_is_served_eagerly_with_the_gpu_worker(vllm_config, monkeypatch) -> None:
+def test_gpu_platform_is_served_eagerly_with_the_gpu_worker(artifact: Path, monkeypatch) -> None:
     """The config hook on a CUDA platform: not refused; the GPU worker installed; CUDA graphs off until a
-    GPU run shows replay equal to eager; speculative decoding refused by name."""
+    GPU run shows replay equal to eager; speculative decoding and micro-batching refused by name."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
 
     from moe_serve.vllm_plugin.config import GPU_WORKER, ModelConfigHook
 
+    config = engine_config(artifact)  # its own: the hook is run on it again below
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-    config = dataclasses.replace(vllm_config) if dataclasses.is_dataclass(vllm_config) else vllm_config
     config.parallel_config.worker_cls = "auto"
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     ModelConfigHook.verify_and_update_config(config)
     assert config.parallel_config.worker_cls == GPU_WORKER
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    for field, value, refusal in (("speculative_config", object(), "speculative decoding"),):
+        config.parallel_config.worker_cls = "auto"
+        with monkeypatch.context() as patch:
+            patch.setattr(config, field, value)
+            with pytest.raises(ValueError, match=refusal):
+                ModelConfigHook.verify_and_update_config(config)
     config.parallel_config.worker_cls = "auto"
-    monkeypatch.setattr(config, "speculative_config", object())
-    with pytest.raises(ValueError, match="speculative decoding"):
-        ModelConfigHook.verify_and_update_config(config)
+    with monkeypatch.context() as patch:
+        patch.setattr(config.parallel_config, "enable_dbo", True)
+        with pytest.raises(ValueError, match="micro-batching"):
+            ModelConfigHook.verify_and_update_config(config)
+
+
+def test_the_v2_runner_loads_the_plugins_validator_and_it_refuses_a_bad_k(artifact: Path, monkeypatch) -> None:
+    """Under the V2 runner vLLM loads logits processors through its V2 loader, which takes only its own
+    interface (in the API process and in the worker): the hook gives it the V2 validator."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    config = engine_config(artifact)
+    assert config.use_v2_model_runner
+    (validator,) = _load_v2_logitsprocs_by_fqcns(config.model_config.logits_processors)
+    validator.validate_params(SamplingParams(extra_args={"experts_per_token": MAX_K}))
+    with pytest.raises(VLLMValidationError, match="experts_per_token"):
+        validator.validate_params(SamplingParams(extra_args={"experts_per_token": MAX_K + 1}))
+    assert validator(config, None).add_request(0, SamplingParams()) is False  # the sampler skips it
 
 
 def test_gpu_worker_classes_import() -> None:
