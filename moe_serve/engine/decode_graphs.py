@@ -31,7 +31,7 @@ import torch
 
 from moe_serve.engine.kv_cache import KVCache, router_state_sizes
 from moe_serve.engine.runner import StepResult
-from moe_serve.engine.scheduler import SchedulerOutput
+from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels import cuda
 from moe_serve.kernels.ops import AttentionBatch
@@ -72,6 +72,10 @@ class _Field:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.tensor([], dtype=self.dtype).element_size()
+
 
 class Staging:
     """Named buffers carved from one byte buffer on the host (pinned on CUDA) and its twin on the device:
@@ -82,23 +86,24 @@ class Staging:
         offsets, size = {}, 0
         for f in fields:
             offsets[f.name] = size
-            nbytes = int(np.prod(f.shape)) * torch.tensor([], dtype=f.dtype).element_size()
-            size += -(-nbytes // 8) * 8  # every field 8-byte aligned
+            size += -(-f.nbytes // 8) * 8  # every field 8-byte aligned
         pin = device.type == "cuda"
         self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         self.device = torch.empty(size, dtype=torch.uint8, device=device)
         self.offsets = offsets
+        self._last = fields[-1].name
         self.device_views = {f.name: self._view(self.device, f) for f in fields}
         self.arrays = {f.name: self._view(self.host, f).numpy() for f in fields}  # the host side, written per step
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def _view(self, buffer: torch.Tensor, f: _Field) -> torch.Tensor:
         start = self.offsets[f.name]
-        nbytes = int(np.prod(f.shape)) * torch.tensor([], dtype=f.dtype).element_size()
-        return buffer[start : start + nbytes].view(f.dtype).view(f.shape)
+        return buffer[start : start + f.nbytes].view(f.dtype).view(f.shape)
 
-    def upload(self, nbytes: int) -> None:
-        """The step's one host-to-device copy of the first nbytes, asynchronous from pinned memory."""
+    def upload(self, last_rows: int) -> None:
+        """The step's one host-to-device copy, asynchronous from pinned memory: every field but the last
+        whole, and the first last_rows rows of the last (the rest is stale and never read)."""
+        nbytes = self.offsets[self._last] + self.device_views[self._last][:last_rows].nbytes
         self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
@@ -170,7 +175,7 @@ class DecodeGraphs:
         self._graphs.clear()
         for bucket in reversed(self.buckets):
             for adaptive in (False, True) if self.adaptive_defined else (False,):
-                self._stage_padding(bucket)
+                self._stage([], bucket)
                 self._graphs[(bucket, adaptive)] = self._capture(bucket, adaptive)
         torch.cuda.synchronize(self.device)
 
@@ -182,7 +187,7 @@ class DecodeGraphs:
         n = len(items)
         bucket = next(b for b in self.buckets if b >= n)
         adaptive = self.adaptive_defined and any(item.seq.k_spec.adaptive for item in items)
-        self._stage(output, bucket, num_real=n)
+        self._stage(output.scheduled, bucket)
         logits = self._run((bucket, adaptive))
         result = StepResult(sample_items=list(range(n)), logits=logits[:n].clone())
         if not self.moe_layers:
@@ -194,16 +199,12 @@ class DecodeGraphs:
             result.experts = {i: (1, None) for i in range(n)}
         return result
 
-    def _stage_padding(self, bucket: int) -> None:
-        self._stage(SchedulerOutput([]), bucket, num_real=0)
-
-    def _stage(self, output: SchedulerOutput, bucket: int, num_real: int) -> None:
-        """The first num_real sequences' inputs into the staging buffer, rows num_real..bucket-1 padding,
-        and the one copy to the device (of the prefix the bucket reads)."""
+    def _stage(self, items: list[ScheduledSequence], bucket: int) -> None:
+        """The items' inputs into the staging buffer, rows len(items)..bucket-1 padding, and the one copy to
+        the device (of the prefix the bucket reads)."""
         self.staging.wait_uploaded()  # the last copy must have left the host buffer before it is rewritten
         a = self.staging.arrays
-        items = output.scheduled[:num_real]
-        n = num_real
+        n = len(items)
         bs = self.block_size
         scratch = self.cache.scratch_block
         for i, item in enumerate(items):
@@ -228,7 +229,7 @@ class DecodeGraphs:
         a["min_k"][pad] = 0
         a["cut"][pad] = np.inf
         a["block_tables"][pad, 0] = scratch
-        self.staging.upload(self.staging.offsets["block_tables"] + bucket * self.max_blocks * 4)
+        self.staging.upload(bucket)
 
     def _run(self, key: tuple[int, bool]) -> torch.Tensor:
         """[bucket, V] fp32 logits: the captured graph replayed, or the static forward run eagerly."""

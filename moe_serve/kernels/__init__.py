@@ -46,7 +46,7 @@ def cpu_extension() -> ModuleType | None:
         if _tried:
             return _extension
         _tried = True
-        if os.environ.get("MOE_SERVE_KERNELS", "auto") == "torch":
+        if torch_forced():
             return None
         if not cpu_supports_kernels():
             logger.warning("CPU kernels need AVX-512 or AVX2 with FMA; using the torch implementations")
@@ -57,6 +57,11 @@ def cpu_extension() -> ModuleType | None:
             logger.warning("could not build the CPU kernels (%s); using the torch implementations", exc)
             _extension = None
         return _extension
+
+
+def torch_forced() -> bool:
+    """MOE_SERVE_KERNELS=torch: the plain-torch implementations everywhere (CPU and CUDA)."""
+    return os.environ.get("MOE_SERVE_KERNELS", "auto") == "torch"
 
 
 def _avx2_forced() -> bool:

@@ -1,6 +1,5 @@
 """Every kernel configuration of the CUDA kernels (each module's SM90_SPECS) compiles for sm_90 (H100)
-without a GPU, and fits the H100's shared memory. A module joins by adding its name to MODULES; one that
-does not import yet (or without Triton) is skipped."""
+without a GPU, and fits the H100's shared memory. A module joins by adding its name to MODULES."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import importlib
 import os
 
 import pytest
+import triton
 
 MODULES = ["moe_serve.kernels.cuda.moe", "moe_serve.kernels.cuda.attention", "moe_serve.kernels.cuda.norm"]
 H100_SHARED_MEMORY = 232448  # bytes a block may use: 227 KiB
@@ -20,22 +20,11 @@ pytestmark = [
 
 
 def specs() -> list:
-    params = []
-    for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as error:  # not written yet, or no Triton
-            params.append(
-                pytest.param(None, id=name, marks=pytest.mark.skip(reason=f"{name} does not import: {error}"))
-            )
-            continue
-        params += [pytest.param(spec, id=spec.name) for spec in module.SM90_SPECS]
-    return params
+    return [pytest.param(spec, id=spec.name) for name in MODULES for spec in importlib.import_module(name).SM90_SPECS]
 
 
 @pytest.mark.parametrize("spec", specs())
 def test_compiles_for_sm90(spec) -> None:
-    triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

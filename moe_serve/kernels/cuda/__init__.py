@@ -18,7 +18,9 @@ from typing import Any
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and os.environ.get("MOE_SERVE_KERNELS", "auto") != "torch"
+    from moe_serve.kernels import torch_forced
+
+    return importlib.util.find_spec("triton") is not None and not torch_forced()
 
 
 def interpreting() -> bool:
