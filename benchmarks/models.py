@@ -8,8 +8,11 @@ classes (so every engine loads the same weights) and exported to moe-serve artif
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+DEFAULT_CACHE = Path(os.environ.get("BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))  # --cache
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(
@@ -41,10 +44,15 @@ class BenchModel:
     hf_dir: Path  # transformers / vLLM load this
     artifact: Path  # moe-serve loads this
     config: dict
+    cache: Path  # the benchmark cache it was built in
 
     @property
     def num_experts(self) -> int:
         return self.config["num_local_experts"]
+
+    def ks(self, spec: str) -> list[int]:
+        """Experts per token from a comma-separated list in which N stands for all of this model's experts."""
+        return [self.num_experts if k.strip().upper() == "N" else int(k) for k in spec.split(",")]
 
     def decode_bytes(self, k: int, context: int = 96, bytes_per_value: int = 4) -> int:
         """Bytes one batch-1 decode step must read at k: the weights it uses plus the KV cache it attends."""
@@ -77,4 +85,4 @@ def build(name: str, cache: Path) -> BenchModel:
         MixtralForCausalLM(hf_config).eval().save_pretrained(hf_dir)
         PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(hf_dir)
         export_hf(hf_dir, artifact, ExportOptions(progress=False, overwrite=True))
-    return BenchModel(name, hf_dir, artifact, config)
+    return BenchModel(name, hf_dir, artifact, config, cache)
