@@ -223,6 +223,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if not args.models:
         raise ValidationError("name at least one MODEL to evaluate (or --stored)", parameter="models")
     requested = int_list(args.k, "k")
+    formats = _weight_formats(args.compare_weights)
     policies = MoEPolicy.parse_sweep(args.moe) if args.moe else []
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +244,8 @@ def evaluate(args: argparse.Namespace) -> int:
         name = llm.artifact.name
         targets = _quality_targets(llm.artifact.path, output_dir / name / QUALITY_FILE, args.write_artifact)
         model_rows = run_eval(llm, ks, args.dataset, args.max_items, progress=not args.json, policies=policies)
+        if formats:
+            model_rows += _compare_weights(llm, model, config, formats, ks, args)
         _save_quality(model_rows, targets)
         written[name] = [str(t) for t in targets]
         rows += model_rows
@@ -262,13 +265,64 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weight_formats(value: str | None) -> list[str]:
+    from moe_serve.quality import WEIGHT_FORMATS
+
+    formats = [f.strip() for f in value.split(",") if f.strip()] if value else []
+    for fmt in formats:
+        if fmt not in WEIGHT_FORMATS:
+            raise ValidationError(
+                f"--compare-weights takes {', '.join(WEIGHT_FORMATS)}; got {fmt!r}", parameter="compare_weights"
+            )
+    return formats
+
+
+def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[str], ks: list[int], args) -> list:
+    """The model with its float weights packed in each format (loaded that way: EngineConfig.weights): its
+    rows at each k, and the KL divergence of its next-token distributions from the floats'."""
+    from moe_serve.evaluation.runner import evaluate as run_eval
+    from moe_serve.evaluation.runner import weight_divergence
+    from moe_serve.exporters.onnx.cache import load_servable
+    from moe_serve.llm import LLM
+
+    if llm.artifact.weight_format is not None:
+        raise ValidationError(
+            f"--compare-weights packs float weights; {model} already stores {llm.artifact.weight_format} weights",
+            parameter="compare_weights",
+        )
+    packed = {}
+    rows = []
+    for fmt in formats:
+        packed_config = dataclasses.replace(config, weights=fmt)
+        packed[fmt] = LLM(load_servable(model, packed_config), packed_config)
+        rows += run_eval(packed[fmt], ks, args.dataset, args.max_items, progress=not args.json)
+    return rows + weight_divergence(llm, packed, ks, args.dataset, args.max_items)
+
+
 def export(args: argparse.Namespace) -> int:
     from moe_serve.exporters import exporter
     from moe_serve.exporters.base import ExportOptions
     from moe_serve.exporters.dtypes import STORAGE_DTYPES
+    from moe_serve.kernels.packed import WeightFormat
 
-    options = ExportOptions(STORAGE_DTYPES[args.dtype] if args.dtype else None, not args.quiet, args.overwrite)
+    options = ExportOptions(
+        STORAGE_DTYPES[args.dtype] if args.dtype else None,
+        not args.quiet,
+        args.overwrite,
+        weights=WeightFormat(args.weights) if args.weights else None,
+    )
     path = exporter(args.format)(args.src, args.dst, options)
+    print(f"wrote {path}")
+    return 0
+
+
+def quantize(args: argparse.Namespace) -> int:
+    from moe_serve.quantize import quantize_artifact
+    from moe_serve.registry import resolve_model
+
+    path = quantize_artifact(
+        resolve_model(args.model), args.dst, args.weights, overwrite=args.overwrite, progress=not args.quiet
+    )
     print(f"wrote {path}")
     return 0
 
@@ -323,6 +377,7 @@ COMMANDS = {
     "batch": batch,
     "eval": evaluate,
     "export": export,
+    "quantize": quantize,
     "export-onnx": export_onnx,
     "inspect": inspect,
     "models": models,

@@ -11,6 +11,7 @@ from moe_serve.cli.options import add_options, parse_k
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.exporters import FORMATS
 from moe_serve.exporters.dtypes import STORAGE_DTYPES
+from moe_serve.kernels.packed import PACKED_FORMATS
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.server.settings import ServerSettings
 
@@ -68,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="top_p=P,P,...",
         help="also run each adaptive top-p policy (e.g. top_p=0.6,0.8,0.9), placed on the plot at its measured mean k",
     )
+    evaluate.add_argument(
+        "--compare-weights",
+        default=None,
+        metavar="FORMAT,...",
+        help="also evaluate each MODEL with its float weights packed in these formats (bf16, int8, int4): the metric "
+        "at each k, and for language models the KL divergence of next-token distributions from the floats "
+        "(kl_from_float, nats per token)",
+    )
     evaluate.add_argument("--dataset", default="shakespeare")
     evaluate.add_argument(
         "--max-items",
@@ -96,8 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--dtype", choices=sorted(STORAGE_DTYPES), default=None, help="storage dtype (default: as in the source)"
     )
+    _weights_argument(export, required=False)
     export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    quantize = commands.add_parser(
+        "quantize", help="store an artifact's expert, attention and LM-head weights as bf16, int8 or int4"
+    )
+    quantize.add_argument("model", metavar="MODEL", help="artifact directory or bundled demo model name")
+    quantize.add_argument(
+        "dst", type=Path, metavar="OUT", help="artifact directory to write (written aside, then renamed)"
+    )
+    _weights_argument(quantize, required=True)
+    quantize.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    quantize.add_argument("--quiet", action="store_true", help="no progress bar")
 
     onnx = commands.add_parser(
         "export-onnx", help="export an artifact to an ONNX graph with experts_per_token as an input per row"
@@ -121,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list the bundled demo models")
     models.add_argument("--json", action="store_true")
     return parser
+
+
+def _weights_argument(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=[f.value for f in PACKED_FORMATS],
+        required=required,
+        default=None,
+        help="store the packable weights (experts, attention, dense FFNs, LM head) in this format: bf16, int8 "
+        "or int4 with an fp16 scale per group of 32 (docs/artifact-format.md); served by the CPU kernels with "
+        "float32 activations" + ("" if required else " (default: floats, as --dtype says)"),
+    )
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:

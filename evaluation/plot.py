@@ -1,5 +1,5 @@
-"""Quality against k as a PNG: one panel per metric, one line per model, adaptive-policy runs as labelled
-points at their measured mean k (matplotlib, the `eval` extra)."""
+"""Quality against k as a PNG: one panel per metric, one line per model and weight format, adaptive-policy runs
+as labelled points at their measured mean k (matplotlib, the `eval` extra)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def plot(path: Path, rows: list[QualityRow]) -> None:
     metrics = sorted({r.metric for r in rows})
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
-        for model in sorted({r.model or "" for r in rows if r.metric == metric}):
-            mine = [r for r in rows if r.metric == metric and (r.model or "") == model]
+        for model in sorted({r.series for r in rows if r.metric == metric}):
+            mine = [r for r in rows if r.metric == metric and r.series == model]
             points = sorted((r.k, r.value) for r in mine if r.policy is None)
             (line,) = ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=model)
             adaptive = sorted((r.k, r.value, r.policy) for r in mine if r.policy is not None)

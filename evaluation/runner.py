@@ -71,5 +71,38 @@ def evaluate(
             if policy is not None:
                 row_k = ExpertCounts.total(r.experts for r in results).mean  # where the policy sits on the plot
             label = policy.name if policy is not None else None
-            rows += [QualityRow(dataset, row_k, metric, value, name, label) for metric, value in metrics.items()]
+            weights = llm.artifact.weight_format
+            rows += [
+                QualityRow(dataset, row_k, metric, value, name, label, weights) for metric, value in metrics.items()
+            ]
     return rows
+
+
+def weight_divergence(
+    reference: LLM, packed: dict[str, LLM], ks: list[int], dataset: str = "shakespeare", max_items: int | None = None
+) -> list[QualityRow]:
+    """For a language model: each packed model's mean KL divergence (nats per token) of its next-token
+    distributions from the reference's (the float weights) on the dataset's texts, at each k."""
+    from moe_serve.evaluation.divergence import kl_from_reference
+
+    if reference.config.task != "causal_lm":
+        return []
+    items = dataset_inputs(dataset, "causal_lm", max_items, reference.inputs.max_model_len)
+    token_ids = [reference.inputs.check_score_input(reference.inputs.encode_text(text, "input")) for text, _ in items]
+    model = _torch_model(reference)
+    rows = []
+    for k in ks:
+        kl = kl_from_reference(model, {fmt: _torch_model(llm) for fmt, llm in packed.items()}, token_ids, k)
+        rows += [
+            QualityRow(dataset, k, "kl_from_float", value, reference.artifact.name, None, fmt)
+            for fmt, value in kl.items()
+        ]
+    return rows
+
+
+def _torch_model(llm: LLM):
+    from moe_serve.artifact import Artifact
+
+    if not isinstance(llm.artifact, Artifact):
+        raise ValidationError("comparing weight formats needs the torch backend", parameter="backend")
+    return llm.artifact.model

@@ -1,5 +1,5 @@
-"""Quality rows as a CSV file and as a text table (models as rows, k as columns, a block per metric; runs
-under an adaptive policy listed below each block with the mean k they took)."""
+"""Quality rows as a CSV file and as a text table (models, and each weight format measured, as rows, k as
+columns, a block per metric; runs under an adaptive policy listed below each block with the mean k they took)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moe_serve.quality import QualityRow
 
-CSV_FIELDS = ["model", "dataset", "k", "metric", "value", "policy"]
+CSV_FIELDS = ["model", "weights", "dataset", "k", "metric", "value", "policy"]
 
 
 def write_csv(path: Path, rows: list[QualityRow]) -> None:
@@ -27,12 +27,12 @@ def format_table(rows: list[QualityRow]) -> str:
             lines += [f"{metric}", *_adaptive_lines(adaptive), ""]
             continue
         ks = sorted({r.k for r in subset})
-        models = sorted({r.model or "" for r in subset})
+        models = sorted({r.series for r in subset})
         width = max(len(m) for m in models) + 2
         lines.append(f"{metric}")
         lines.append(" " * width + "".join(f"{'k=' + str(k):>9}" for k in ks))
         for model in models:
-            values = {r.k: r.value for r in subset if (r.model or "") == model}
+            values = {r.k: r.value for r in subset if r.series == model}
             lines.append(
                 f"{model:<{width}}" + "".join(f"{values[k]:>9.4f}" if k in values else f"{'-':>9}" for k in ks)
             )
@@ -42,7 +42,7 @@ def format_table(rows: list[QualityRow]) -> str:
 
 def _adaptive_lines(rows: list[QualityRow]) -> list[str]:
     """Adaptive-policy runs, one line each: the policy, the mean k it took, the value."""
-    return [f"{r.model or ''}  {r.policy}  mean k={r.k:.3f}  {r.value:.4f}" for r in rows]
+    return [f"{r.series}  {r.policy}  mean k={r.k:.3f}  {r.value:.4f}" for r in rows]
 
 
 def format_seed_table(summaries: dict[str, dict]) -> str:

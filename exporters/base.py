@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from moe_serve.artifact import save_artifact
 from moe_serve.errors import MoEServeError
+from moe_serve.kernels.packed import WeightFormat
 from moe_serve.model_config import ModelConfig
 from moe_serve.tokenizer import Tokenizer
 
@@ -31,6 +32,9 @@ class ExportOptions:
     dtype: torch.dtype | None = None  # storage dtype (None: as in the source)
     progress: bool = True  # a progress bar while weights are converted
     overwrite: bool = False  # replace an existing destination
+    weights: WeightFormat | None = (
+        None  # store the packable weights as bf16, int8 or int4 (None: floats, as dtype says)
+    )
 
 
 DEFAULT_OPTIONS = ExportOptions()
@@ -46,7 +50,14 @@ def write(
 ) -> Path:
     """Write the artifact (aside, then renamed into place) with the options' dtype and overwrite rule."""
     return save_artifact(
-        dst, config, state, tokenizer, provenance=provenance, dtype=options.dtype, overwrite=options.overwrite
+        dst,
+        config,
+        state,
+        tokenizer,
+        provenance=provenance,
+        dtype=options.dtype,
+        weights=options.weights,
+        overwrite=options.overwrite,
     )
 
 

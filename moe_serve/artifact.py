@@ -23,10 +23,12 @@ from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.kernels import hugepages
+from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, packed_shapes, quantize
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
+from moe_serve.weights import MANIFEST_KEY, WeightsSpec, expected_tensors, install, pack, packable_weights
 
 if TYPE_CHECKING:  # the engine imports this module; the artifact names its types only to make a runner
     from moe_serve.config import EngineConfig
@@ -34,13 +36,15 @@ if TYPE_CHECKING:  # the engine imports this module; the artifact names its type
     from moe_serve.engine.runner import Runner
 
 FORMAT = "moe-serve"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 1  # what an artifact of float tensors is written as: readable by every runtime
+PACKED_FORMAT_VERSION = 2  # version 2 adds the "weights" section: weights stored packed (bf16, int8, int4)
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_PACKED_SAFETENSORS_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class Artifact:
     model: MoETransformer
     provenance: dict[str, Any] = field(default_factory=dict)
     quality: QualityTable | None = None
+    weights: WeightsSpec | None = None  # weights stored packed (None: every tensor a float tensor)
 
     @property
     def name(self) -> str:
@@ -63,6 +68,10 @@ class Artifact:
     def dtype(self) -> torch.dtype:
         """The dtype of the model's activations and KV cache."""
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def weight_format(self) -> str | None:
+        return self.weights.format.value if self.weights is not None else None
 
     def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
         # Imported here: the artifact is read and written without an engine (exporters, `moe-serve inspect`).
@@ -90,13 +99,6 @@ def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if is_router_tensor(name) and dtype.itemsize < 4 else dtype
 
 
-def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor names and shapes for a config (built on the meta device: no memory used)."""
-    with torch.device("meta"):
-        model = MoETransformer(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def save_artifact(
     dst: str | Path,
     config: ModelConfig,
@@ -105,10 +107,12 @@ def save_artifact(
     *,
     provenance: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    weights: WeightFormat | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write an artifact. The directory is written aside and renamed into place, so a failure never
-    leaves a half-written DST. Tensors are checked against the config before anything is written."""
+    leaves a half-written DST. Tensors are checked against the config before anything is written.
+    weights: store the packable weights in this format (moe_serve.weights; fp32 or None: as floats)."""
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise ArtifactError(f"{dst} already exists (pass overwrite=True to replace it)")
@@ -123,6 +127,9 @@ def save_artifact(
     for name, t in tensors.items():
         if t.dtype not in STORAGE_DTYPES:
             raise ArtifactError(f"tensor '{name}' has dtype {t.dtype}; artifacts store float32, float16 or bfloat16")
+    spec = None
+    if weights is not None and WeightFormat(weights) is not WeightFormat.FP32:
+        tensors, spec = pack(config, tensors, WeightFormat(weights))
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
@@ -131,8 +138,9 @@ def save_artifact(
         tokenizer.save(tmp / TOKENIZER_FILE)
         manifest = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if spec is None else PACKED_FORMAT_VERSION,
             "model": config.to_dict(),
+            **({MANIFEST_KEY: spec.to_dict()} if spec is not None else {}),
             "provenance": {"created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(provenance or {})},
             "checksums": {name: sha256_file(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
         }
@@ -181,7 +189,20 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
         config = ModelConfig.from_dict(manifest.get("model"))
     except ConfigError as exc:
         raise ConfigError(f"{config_path}: {exc}") from None
+    weights_spec(manifest, config, config_path)  # checked here, with everything else the manifest says
     return manifest, config
+
+
+def weights_spec(manifest: dict[str, Any], config: ModelConfig, where: Path | str = CONFIG_FILE) -> WeightsSpec | None:
+    """The manifest's weights section (None: float tensors only); version 2 and later only."""
+    if MANIFEST_KEY not in manifest:
+        return None
+    if manifest.get("format_version", 1) < PACKED_FORMAT_VERSION:
+        raise ArtifactError(
+            f'{where}: "{MANIFEST_KEY}" needs format_version {PACKED_FORMAT_VERSION}; this file says '
+            f"{manifest.get('format_version')}"
+        )
+    return WeightsSpec.parse(manifest[MANIFEST_KEY], config, str(where))
 
 
 def load_artifact(
@@ -190,10 +211,13 @@ def load_artifact(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     verify_checksums: bool = True,
+    pack_as: WeightFormat | None = None,
 ) -> Artifact:
     """Load and validate an artifact: everything serving will use is checked here (config, checksums,
     tokenizer, chat template, quality table, every tensor's name, shape, dtype and values), so that an
-    artifact either fails to load with one ArtifactError naming the problem or serves."""
+    artifact either fails to load with one ArtifactError naming the problem or serves.
+    pack_as: pack the float weights in this format as they load (what `moe-serve quantize` would store;
+    `moe-serve eval --weights` compares formats this way without writing artifacts)."""
     path = Path(path)
     manifest, config = read_manifest(path)
     for name in (WEIGHTS_FILE, TOKENIZER_FILE):
@@ -205,36 +229,104 @@ def load_artifact(
     if config.chat_template is not None:
         _check_chat_template(config.chat_template, path / CONFIG_FILE)
     quality = QualityTable.read(path / QUALITY_FILE) if (path / QUALITY_FILE).is_file() else None
-    tensors = _read_tensors(path / WEIGHTS_FILE, config, device, dtype)
+    spec = weights_spec(manifest, config, path / CONFIG_FILE)
+    if spec is not None and pack_as is not None:
+        raise ArtifactError(
+            f"{path} already stores {spec.format.value} weights; it cannot be packed again as "
+            f"{WeightFormat(pack_as).value}"
+        )
+    packing = WeightFormat(pack_as) if pack_as is not None and WeightFormat(pack_as) is not WeightFormat.FP32 else None
+    if spec is not None or packing is not None:
+        check_packed_serving(spec.format if spec is not None else packing, torch.device(device), dtype)  # type: ignore[arg-type]
+    tensors, packed = _read_tensors(path / WEIGHTS_FILE, config, device, dtype, spec)
+    if packing is not None:
+        spec = WeightsSpec(packing, tuple(packable_weights(config, packing)))
+        packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
 
     with torch.device("meta"):
         model = MoETransformer(config)
-    model.load_state_dict(tensors, strict=True, assign=True)
+    model.load_state_dict(tensors, strict=not packed, assign=True)
+    install(model, packed)
     model.eval().requires_grad_(False)
     model.prepare()
-    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality)
+    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality, spec)
 
 
-def _read_tensors(path: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> dict:
-    """Every tensor the config describes, with the shape it describes, stored as F32, F16 or BF16, finite."""
+def check_packed_serving(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:
+    """Packed weights are read by the CPU kernels, with float32 activations: refuse anything else by name."""
+    if device.type != "cpu":
+        raise ArtifactError(
+            f"{fmt.value} weights are read by the CPU kernels; they cannot run on {device.type} (serve the "
+            "float artifact they were quantized from there)"
+        )
+    if dtype != torch.float32:
+        raise ArtifactError(
+            f"{fmt.value} weights run with float32 activations; --dtype "
+            f"{STORAGE_DTYPES.get(dtype, dtype)} is refused (use --dtype float32 or auto)"
+        )
+
+
+def _read_tensors(
+    path: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype, spec: WeightsSpec | None
+) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+    """Every tensor the config describes, with the shape it describes, finite: float tensors stored as F32,
+    F16 or BF16, packed weights (spec) with the dtypes their format stores. -> (float tensors, packed)."""
     tensors: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
+    layouts = packed_layouts(config, spec)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            check_tensors(config, shapes)
+            check_tensors(config, shapes, spec)
+            parts: dict[str, dict[str, torch.Tensor]] = {}
             for name in f.keys():
                 dtype_name = f.get_slice(name).get_dtype()
+                if name in layouts:  # a packed weight's data or scales
+                    weight, suffix, expected = layouts[name]
+                    if dtype_name != _PACKED_SAFETENSORS_DTYPES[expected]:
+                        raise ArtifactError(
+                            f"tensor '{name}' has dtype {dtype_name}; {spec.format.value} weights store "  # type: ignore[union-attr]
+                            f"{_PACKED_SAFETENSORS_DTYPES[expected]} there"
+                        )
+                    tensor = f.get_tensor(name)
+                    _check_packed_values(name, tensor, spec.format, path)  # type: ignore[union-attr]
+                    parts.setdefault(weight, {})[suffix] = hugepages.place(tensor, tensor.dtype, device)
+                    continue
                 if dtype_name not in _SAFETENSORS_DTYPES:
                     raise ArtifactError(f"tensor '{name}' has dtype {dtype_name}; artifacts store F32, F16 or BF16")
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
                 tensors[name] = hugepages.place(tensor, storage_dtype(name, dtype), device)  # one copy
+            if spec is not None:
+                shapes_of = expected_tensors(config)
+                packed = {w: from_stored(spec.format, p, shapes_of[w]) for w, p in parts.items()}
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files
         raise ArtifactError(f"cannot read {path}: {exc}") from None
-    return tensors
+    return tensors, packed
+
+
+def _check_packed_values(name: str, tensor: torch.Tensor, fmt: WeightFormat, path: Path) -> None:
+    """Scales (and bf16 weights) finite; int8 values in [-127, 127], the range quantize writes."""
+    if tensor.is_floating_point():
+        if not torch.isfinite(tensor).all():
+            raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
+    elif fmt is WeightFormat.INT8 and tensor.numel() and int(tensor.min()) < -127:
+        raise ArtifactError(f"tensor '{name}' in {path.name} holds -128; int8 weights lie in [-127, 127]")
+
+
+def packed_layouts(config: ModelConfig, spec: WeightsSpec | None) -> dict[str, tuple[str, str, torch.dtype]]:
+    """Stored name -> (weight name, suffix, dtype) of every tensor the spec's packed weights store."""
+    if spec is None:
+        return {}
+    shapes = expected_tensors(config)
+    return {
+        f"{weight}{suffix}": (weight, suffix, layout_dtype)
+        for weight in spec.packed
+        for suffix, (_, layout_dtype) in packed_shapes(shapes[weight], spec.format).items()
+    }
 
 
 # Encoded and decoded at load: a tokenizer that cannot handle ordinary text (a WordLevel model without an
@@ -281,8 +373,19 @@ def check_checksums(path: Path, checksums: dict[str, str]) -> None:
             )
 
 
-def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def stored_tensors(config: ModelConfig, spec: WeightsSpec | None = None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an artifact of `config` stores (packed weights under their stored names)."""
     expected = expected_tensors(config)
+    if spec is None:
+        return expected
+    for weight in spec.packed:
+        shape = expected.pop(weight)
+        expected.update({f"{weight}{suffix}": s for suffix, (s, _) in packed_shapes(shape, spec.format).items()})
+    return expected
+
+
+def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], spec: WeightsSpec | None = None) -> None:
+    expected = stored_tensors(config, spec)
     missing = [name for name in expected if name not in shapes]
     if missing:
         name = missing[0]

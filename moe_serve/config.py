@@ -10,6 +10,7 @@ import torch
 
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
+from moe_serve.quality import WEIGHT_FORMATS
 from moe_serve.validation import check_int, check_number
 
 BACKENDS = ("torch", "onnxruntime")  # what runs the forward pass: moe_serve.engine.backend
@@ -26,10 +27,21 @@ class EngineConfig:
         "use into ~/.cache/moe-serve/onnx); fp32, one k per request (no moe policies)",
         choices=BACKENDS,
     )
+    weights: str | None = option(
+        None,
+        "pack the artifact's float weights as they load: bf16, int8 or int4 (fp16 scale per group of 32), read by the "
+        "CPU kernels with float32 activations; an artifact written by `moe-serve quantize` carries its format already",
+        choices=WEIGHT_FORMATS,
+    )
     cuda_graphs: bool = option(
         True,
         "on CUDA, replay captured graphs for steps that only decode (batch-size buckets up to --max-num-seqs); "
         "--no-cuda-graphs runs every step eagerly",
+    )
+    cpu_decode_stack: bool = option(
+        True,
+        "on the CPU, run the layers of decode-only steps in one C++ call (plain top-k MoE decoders: "
+        "docs/architecture.md §6); --no-cpu-decode-stack runs them layer by layer in Python",
     )
     max_num_seqs: int = option(64, "sequences in one engine step")
     max_num_batched_tokens: int = option(
@@ -117,6 +129,16 @@ class EngineConfig:
             raise ValidationError(
                 'target_ttft_ms needs target_itl_ms (the latency target that enables experts_per_token "auto")',
                 parameter="target_ttft_ms",
+            )
+        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
+            raise ValidationError(
+                f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {self.weights!r}", parameter="weights"
+            )
+        if self.weights is not None and self.backend != "torch":
+            raise ValidationError(
+                f"--weights packs the torch backend's weights; --backend {self.backend} runs an ONNX export of the "
+                "float weights",
+                parameter="weights",
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(

@@ -6,7 +6,10 @@ server exports as `moe_serve_quality` gauges and the dashboard plots. Layout:
     {"updated_at": "...Z", "results": [{"model": "...", "dataset": "...", "k": 2, "metric": "bits_per_byte",
                                          "value": 2.41}, ...]}
 
-`model` is optional inside an artifact (the table belongs to that artifact). A row measured under an adaptive
+`model` is optional inside an artifact (the table belongs to that artifact). `weights` names the weight format
+a row was measured with when it is not the artifact's floats (`"int8"`: `moe-serve eval --weights`, or an
+artifact written by `moe-serve quantize`); the metric `kl_from_float` is the mean KL divergence (nats per
+token) of its next-token distributions from the float weights' at the same k. A row measured under an adaptive
 `moe` policy names it (`"policy": "top_p=0.8"`) and its `k` is the mean k its tokens took (a number, not an
 integer): such a row is identified by its policy, not its k, and sits on the quality-vs-k plot at that k.
 """
@@ -22,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.errors import ArtifactError
+from moe_serve.kernels.packed import PACKED_FORMATS
 
 QUALITY_FILE = "quality.json"
-LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity"})
+LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity", "kl_from_float"})
+WEIGHT_FORMATS = tuple(f.value for f in PACKED_FORMATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +40,17 @@ class QualityRow:
     value: float
     model: str | None = None
     policy: str | None = None  # e.g. "top_p=0.8"; None: a fixed k
+    weights: str | None = None  # the weight format measured ("int8"); None: the float weights
 
     @property
-    def key(self) -> tuple[str, str, float, str]:
-        """What a newer row replaces: the same k, or the same policy (whose measured k may move)."""
-        return (self.dataset, self.policy or "", 0 if self.policy else self.k, self.metric)
+    def key(self) -> tuple[str, str, str, float, str]:
+        """What a newer row replaces: the same weights and k, or the same policy (whose measured k may move)."""
+        return (self.dataset, self.weights or "", self.policy or "", 0 if self.policy else self.k, self.metric)
+
+    @property
+    def series(self) -> str:
+        """The line a row belongs to in tables and plots: the model, and its weight format when packed."""
+        return f"{self.model or ''} ({self.weights})" if self.weights else self.model or ""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: value for name, value in asdict(self).items() if value is not None}
@@ -120,4 +131,7 @@ def _row(entry: Any, where: str) -> QualityRow:
     model = entry.get("model")
     if model is not None and not isinstance(model, str):
         raise ArtifactError(f"{where}.model must be a string, got {model!r}")
-    return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy)
+    weights = entry.get("weights")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ArtifactError(f"{where}.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy, weights)

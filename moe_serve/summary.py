@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moe_serve.artifact import expected_tensors, read_manifest
+from moe_serve.artifact import expected_tensors, read_manifest, weights_spec
 from moe_serve.layers.routers import router_class
 
 
@@ -19,6 +19,7 @@ def summarize(path: Path) -> dict[str, Any]:
         "path": str(path),
         "format_version": manifest["format_version"],
         "task": config.task,
+        "weights": _weights(manifest, config),
         "architecture": {
             "layers": config.num_layers,
             "hidden_size": config.hidden_size,
@@ -68,8 +69,18 @@ def summarize(path: Path) -> dict[str, Any]:
     return summary
 
 
+def _weights(manifest: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The storage of the weights: floats, or a packed format and how many weights use it."""
+    spec = weights_spec(manifest, config)
+    if spec is None:
+        return {"format": "float"}
+    return {"format": spec.format.value, "packed": len(spec.packed)}
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"{summary['path']}  ({summary['task']}, format v{summary['format_version']})"]
+    weights = summary["weights"]
+    packed = f", {weights['format']} weights ({weights['packed']} packed)" if "packed" in weights else ""
+    lines = [f"{summary['path']}  ({summary['task']}, format v{summary['format_version']}{packed})"]
     arch = summary["architecture"]
     lines.append(
         f"  {arch['layers']} layers, hidden {arch['hidden_size']}, {arch['heads']} heads "

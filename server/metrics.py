@@ -235,7 +235,9 @@ class _EngineCollector(Collector):
             "moe_serve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["model"]
         )
         quality = gauge(
-            "moe_serve_quality", "Quality against k (quality.json)", labels=["model", "k", "metric", "dataset"]
+            "moe_serve_quality",
+            "Quality against k (quality.json); weights: the format measured (float, bf16, int8, int4)",
+            labels=["model", "k", "metric", "dataset", "weights"],
         )
         tokens = CounterMetricFamily(
             "moe_serve_expert_tokens", "Tokens routed to each expert", labels=["model", "layer", "expert"]
@@ -267,7 +269,7 @@ class _EngineCollector(Collector):
             prefix_hits.add_metric([name], hits)
             for row in table.rows if table else ():
                 if row.policy is None:  # gauges by fixed k; an adaptive run's k is a measurement, not a label
-                    quality.add_metric([name, str(row.k), row.metric, row.dataset], row.value)
+                    quality.add_metric([name, str(row.k), row.metric, row.dataset, row.weights or "float"], row.value)
             if self.expert_metrics == "off" or engine.expert_load is None:
                 continue
             for layer, counts in engine.expert_load.totals().items():

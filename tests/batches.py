@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe_serve.kernels import ops
-from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.moe_policy import KSpec
 
@@ -26,25 +27,16 @@ def packed_batch(
 ) -> ForwardBatch:
     """Whole sequences, no cache: what the runner builds for a bidirectional or first-chunk step.
     policies: per sequence, None (exactly its k) or (p, min_k), top-p with its k as the max."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    attention = AttentionBatch(
-        seq_ids=torch.tensor([s for s, n in enumerate(lengths) for _ in range(n)]),
-        positions=torch.tensor([p for n in lengths for p in range(n)]),
-        num_keys=torch.tensor(lengths),
-        seq_starts=torch.tensor(starts),
-        seq_lens=tuple(lengths),
-        num_keys_host=tuple(lengths),
+    batch = ForwardBatch.whole_sequences(lengths, ks)
+    if policies is None:
+        return batch
+    specs = [KSpec(k) if pm is None else KSpec(k, pm[0], pm[1]) for k, pm in zip(ks, policies, strict=True)]
+    adaptive = AdaptiveK(
+        cut=torch.tensor([s.cut for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
+        min_k=torch.tensor([s.lowest for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
+        experts_used=torch.zeros(num_layers, len(lengths), dtype=torch.int64),
     )
-    top_k = torch.tensor([k for k, n in zip(ks, lengths, strict=True) for _ in range(n)])
-    adaptive = None
-    if policies is not None:
-        specs = [KSpec(k) if pm is None else KSpec(k, pm[0], pm[1]) for k, pm in zip(ks, policies, strict=True)]
-        adaptive = AdaptiveK(
-            cut=torch.tensor([s.cut for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
-            min_k=torch.tensor([s.lowest for s, n in zip(specs, lengths, strict=True) for _ in range(n)]),
-            experts_used=torch.zeros(num_layers, len(lengths), dtype=torch.int64),
-        )
-    return ForwardBatch(attention, top_k, max(ks), adaptive_k=adaptive)
+    return dataclasses.replace(batch, adaptive_k=adaptive)
 
 
 def pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,14 @@ from transformers import AutoConfig, PretrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.config import HFConfigParser, register_config_parser
 
-from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, check_checksums, check_tensors, read_manifest
+from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, check_checksums, check_tensors, read_manifest, weights_spec
 from moe_serve.engine.kv_cache import router_state_sizes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.vllm_plugin import ARCHITECTURE
 from moe_serve.vllm_plugin.parallel import Shards
 from moe_serve.vllm_plugin.parallel import problems as parallel_problems
+from moe_serve.weights import packed_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class MoeServeConfigParser(HFConfigParser):
             return super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
         path = Path(model)
         manifest, config = read_manifest(path)
+        spec = weights_spec(manifest, config, path)
+        if spec is not None:
+            raise ValueError(
+                f"moe-serve artifact {model} cannot run in vLLM: " + packed_refusal(spec, "the vLLM plugin")
+            )
         weights = path / WEIGHTS_FILE
         stat = weights.stat()
         _check_artifact(str(path), stat.st_size, stat.st_mtime_ns)

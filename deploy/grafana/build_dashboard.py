@@ -115,7 +115,12 @@ PANELS = [
         "Quality against k",
         "barchart",
         "none",
-        [(f"max by (model, k, metric, dataset) (moe_serve_quality{M})", "{{model}} {{metric}} ({{dataset}}) k={{k}}")],
+        [
+            (
+                f"max by (model, k, metric, dataset, weights) (moe_serve_quality{M})",
+                "{{model}} {{weights}} {{metric}} ({{dataset}}) k={{k}}",
+            )
+        ],
     ),
     (
         'Experts per token: "auto" k now, and the mean k of finished requests by policy',

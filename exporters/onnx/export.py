@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.artifact import load_artifact, read_manifest
+from moe_serve.artifact import load_artifact, read_manifest, weights_spec
 from moe_serve.exporters.base import ExportError
 from moe_serve.exporters.onnx.graph import CausalLMGraph, ClassifierGraph, GraphModel
 from moe_serve.layers.routers import router_class
@@ -40,6 +40,7 @@ from moe_serve.onnx_model import (
 )
 from moe_serve.quality import QUALITY_FILE
 from moe_serve.registry import resolve_model
+from moe_serve.weights import packed_refusal
 
 OPSET = 17
 # Weights above this go to model.onnx.data beside the graph (protobuf cannot hold a file over 2 GiB).
@@ -84,6 +85,9 @@ def export_onnx(
     if dst.exists() and not overwrite:
         raise ExportError(f"{dst} already exists (pass --overwrite to replace it)")
     manifest, config = read_manifest(src)
+    spec = weights_spec(manifest, config, src)
+    if spec is not None:
+        raise ExportError(packed_refusal(spec, "the ONNX export"))
     check_exportable(config)  # before any weight is read
     artifact = load_artifact(src, dtype=torch.float32)
     graph: GraphModel = (CausalLMGraph if config.is_causal else ClassifierGraph)(artifact.model).eval()

@@ -30,6 +30,7 @@ from moe_serve.artifact import load_artifact
 from moe_serve.config import EngineConfig
 from moe_serve.engine.onnx_backend import load_export
 from moe_serve.engine.runner import LoadedModel
+from moe_serve.kernels.packed import WeightFormat
 from moe_serve.registry import resolve_model
 
 
@@ -50,6 +51,7 @@ def _load_torch(model: str | Path, config: EngineConfig) -> LoadedModel:
         device=config.torch_device(),
         dtype=config.torch_dtype(),
         verify_checksums=config.verify_checksums,
+        pack_as=WeightFormat(config.weights) if config.weights else None,
     )
 
 

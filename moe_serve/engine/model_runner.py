@@ -20,6 +20,7 @@ from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.models import MoETransformer
+from moe_serve.models.decode_stack import decode_stack_for
 from moe_serve.moe_policy import KSpec
 
 
@@ -40,6 +41,8 @@ class TorchRunner:
         self.decode_graphs: DecodeGraphs | None = decode_graphs_for(
             model, self.cache, engine_config.max_num_seqs, device, engine_config.cuda_graphs
         )
+        # On the CPU, the layers of decode-only steps in one C++ call, where it applies (models.decode_stack).
+        model.decode_stack = decode_stack_for(model, self.cache, engine_config.cpu_decode_stack)
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         if self.decode_graphs is not None and self.decode_graphs.accepts(output):

@@ -43,6 +43,10 @@ class ExportedModel:
         """Exported graphs are fp32."""
         return torch.float32
 
+    @property
+    def weight_format(self) -> str | None:
+        return None  # the export refuses packed weights (moe_serve.weights.packed_refusal)
+
     def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> OnnxRunner:
         # `device` is unused: the execution providers were chosen when the graph was opened, and onnxruntime
         # hands results back on the host (engine_device).

@@ -41,6 +41,11 @@ class LoadedModel(Protocol):
         """The dtype of its activations and KV cache (what the cache budget is counted in)."""
         ...
 
+    @property
+    def weight_format(self) -> str | None:
+        """The packed format its weights run in (bf16, int8, int4: moe_serve.kernels.packed); None: floats."""
+        ...
+
     def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
         """The runner of its steps, with a KV cache of `cache_shape` (on `device`, where the backend uses it),
         run as `engine_config` says (CUDA graphs, the largest batch)."""

@@ -1,8 +1,8 @@
 """Compute kernels behind one small interface, each with two implementations:
 
-- `cpu`: the C++ extension in csrc/ (AVX-512, or AVX2 with FMA; built on first use with the machine's
+- `cpu`: the C++ extension in csrc/ (AVX-512, or AVX2 with FMA and F16C; built on first use with the machine's
   compiler and cached under ~/.cache/moe-serve/kernels, or `$MOE_SERVE_KERNEL_CACHE`): fp32 activations,
-  fp32 or bf16 weights;
+  fp32, bf16, int8 or int4 weights (packed.py);
 - `torch`: plain PyTorch, for CUDA, other dtypes, machines with neither or without a compiler, and as the
   obviously correct reference the tests compare the fast path with.
 
@@ -49,7 +49,7 @@ def cpu_extension() -> ModuleType | None:
         if torch_forced():
             return None
         if not cpu_supports_kernels():
-            logger.warning("CPU kernels need AVX-512 or AVX2 with FMA; using the torch implementations")
+            logger.warning("CPU kernels need AVX-512 or AVX2 with FMA and F16C; using the torch implementations")
             return None
         try:
             _extension = _load_or_build()
@@ -142,11 +142,12 @@ def cpu_flags() -> str:
 
 def target_isa() -> str | None:
     """The vector instructions csrc/ compiles for here (its #if; `isa()` of the build): avx512 with
-    AVX-512 F/BW/VL (unless MOE_SERVE_KERNEL_ISA=avx2), avx2 with AVX2 and FMA, else None."""
+    AVX-512 F/BW/VL (unless MOE_SERVE_KERNEL_ISA=avx2), avx2 with AVX2, FMA and F16C (the fp16 scales of packed
+    weights), else None."""
     flags = set(cpu_flags().split())
     if {"avx512f", "avx512bw", "avx512vl"} <= flags and not _avx2_forced():
         return "avx512"
-    return "avx2" if {"avx2", "fma"} <= flags else None
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
 
 
 def cpu_supports_kernels() -> bool:

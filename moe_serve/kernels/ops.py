@@ -9,6 +9,7 @@ D hidden, I intermediate, R relative distances, NB blocks, BS block size.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,8 +19,11 @@ from torch.nn import functional as F
 
 from moe_serve.kernels import cpu_extension, cuda, graph
 from moe_serve.kernels.graph import GraphCache, PaddedBatch
+from moe_serve.kernels.packed import PackedWeight
 
-LINEAR_MAX_ROWS = 64  # up to this many rows the C++ kernel (weights streamed once); above, MKL's GEMM
+LINEAR_MAX_ROWS = 64  # fp32 weights: up to this many rows the C++ kernel (weights streamed once); above, MKL's GEMM
+
+Weight = torch.Tensor | PackedWeight  # a float tensor, or a packed one (bf16, int8, int4: kernels/packed.py)
 
 ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
@@ -42,12 +46,25 @@ def _cuda_kernels(x: torch.Tensor) -> cuda.Kernels | None:
 # ---- linear -----------------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias. A packed or bf16 weight with fp32 x on the CPU takes the C++ kernel
+    at every M, so a row's result never depends on its batch: above 4 rows it dequantizes a tile of W rows at
+    a time, and on the LM head (32000 x 1024, 2 threads; benchmarks/packed_gemv.py --prefill) it beat
+    dequantizing then MKL at every M up to 512 (int4: 26 ms against 287 at M = 64, 243 against 485 at 512),
+    and even MKL on an fp32 copy kept beside it (67, 279 ms), which would cost the memory packing saves.
+    Elsewhere (CUDA, no extension, the ONNX tracer) the weight is dequantized for torch."""
     ext = _cpu_ext(x)
-    if ext is not None and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and weight.dtype == torch.float32:
-        return ext.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if ext is not None and x.dim() == 2:
+        if isinstance(weight, PackedWeight):
+            return ext.linear_packed(x, weight.data, weight.scales, weight.format.value, bias)
+        if weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and x.shape[0] <= LINEAR_MAX_ROWS):
+            return ext.linear(x, weight, bias)
+    return F.linear(x, float_weight(weight, x.dtype), bias)
+
+
+def float_weight(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a tensor of `dtype` for the torch and CUDA paths: a packed one dequantized (a copy)."""
+    return weight.dequantize(dtype) if isinstance(weight, PackedWeight) else weight.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,13 +145,22 @@ def top_p_k(
 class ExpertWeights:
     """One expert bank as the kernel sees it: y = act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2."""
 
-    w1: torch.Tensor  # [E, I, D]
-    w2: torch.Tensor  # [E, D, I]
+    w1: Weight  # [E, I, D]
+    w2: Weight  # [E, D, I]
     activation: str
     b1: torch.Tensor | None = None  # [E, I]
-    w3: torch.Tensor | None = None  # [E, I, D], gated experts (GLU)
+    w3: Weight | None = None  # [E, I, D], gated experts (GLU), in w1's format
     b3: torch.Tensor | None = None
     b2: torch.Tensor | None = None  # [E, D]
+
+    @property
+    def packed(self) -> bool:
+        return any(isinstance(w, PackedWeight) for w in (self.w1, self.w2, self.w3))
+
+    def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """The bank with its weights as tensors of `dtype` (the CUDA path; packed ones dequantized: a copy)."""
+        w3 = float_weight(self.w3, dtype) if self.w3 is not None else None
+        return dataclasses.replace(self, w1=float_weight(self.w1, dtype), w2=float_weight(self.w2, dtype), w3=w3)
 
 
 def moe_experts(
@@ -143,25 +169,41 @@ def moe_experts(
     """x [T, D], topk_ids [T, K] (-1: slot unused), topk_weights [T, K] fp32 -> [T, D]: the weighted sum of
     each token's experts, combined in slot order."""
     if torch.jit.is_tracing():  # the ONNX export: shapes that follow the routing, no host sync
+        assert not bank.packed, "the ONNX export takes float weights only (it refuses quantized artifacts)"
         return graph.moe_experts(x, topk_ids, topk_weights, bank)
     ext = _cpu_ext(x)
-    if ext is not None and bank.w1.dtype in (torch.float32, torch.bfloat16):
-        return ext.moe_experts(
+    formats = [kernel_format(w) for w in (bank.w1, bank.w2)]
+    if ext is not None and None not in formats:
+        return ext.moe_experts_packed(
             x,
             topk_ids,
             topk_weights,
-            bank.w1,
+            formats[0],
+            *kernel_parts(bank.w1),
             bank.b1,
-            bank.w3,
+            *(kernel_parts(bank.w3) if bank.w3 is not None else (None, None)),
             bank.b3,
-            bank.w2,
+            formats[1],
+            *kernel_parts(bank.w2),
             bank.b2,
             ACTIVATION_IDS[bank.activation],
         )
     gpu = _cuda_kernels(x)
     if gpu is not None:
-        return gpu.moe.moe_experts(x, topk_ids, topk_weights, bank)
+        return gpu.moe.moe_experts(x, topk_ids, topk_weights, bank.dequantized(x.dtype) if bank.packed else bank)
     return moe_experts_torch(x, topk_ids, topk_weights, bank)
+
+
+def kernel_format(weight: Weight) -> str | None:
+    """The C++ kernels' name of a weight's format (packed.WeightFormat's values); None: they have none."""
+    if isinstance(weight, PackedWeight):
+        return weight.format.value
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(weight.dtype)
+
+
+def kernel_parts(weight: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(data, scales) as the C++ kernels take a weight."""
+    return (weight.data, weight.scales) if isinstance(weight, PackedWeight) else (weight, None)
 
 
 def moe_experts_torch(
@@ -177,8 +219,8 @@ def moe_experts_torch(
     offsets = torch.cumsum(torch.bincount(slot_expert, minlength=bank.w1.shape[0]), 0).to(torch.int32)  # [E]
     xs = x[slot_token[order]]  # [S, D]
 
-    def grouped(w: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
-        out = _grouped_mm(h, w, offsets)
+    def grouped(w: Weight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        out = _grouped_mm(h, float_weight(w, h.dtype), offsets)
         return out if b is None else out + b[sorted_expert]
 
     act = ACTIVATIONS[bank.activation]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.ops import ACTIVATIONS, ExpertWeights
+from moe_serve.kernels.ops import ACTIVATIONS, ExpertWeights, Weight, float_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +84,8 @@ def moe_experts_blocked(
     experts = alignment.block_expert.long().clamp(min=0)  # [NB]
     xs = x[tokens]  # [NB, BM, D]
 
-    def grouped(w: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
-        out = torch.bmm(h, w[experts].transpose(1, 2))
+    def grouped(w: Weight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        out = torch.bmm(h, float_weight(w, h.dtype)[experts].transpose(1, 2))
         return out if b is None else out + b[experts][:, None, :]
 
     h = ACTIVATIONS[bank.activation](grouped(bank.w1, bank.b1, xs))

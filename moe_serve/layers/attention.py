@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_serve.kernels import hugepages, ops
 from moe_serve.kernels.graph import GraphCache
+from moe_serve.kernels.packed import PackedWeight
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
@@ -52,8 +53,8 @@ class Attention(nn.Module):
             self.r_r_bias = nn.Parameter(torch.zeros(h, dh))
         self.hidden_size = d
         # Computed by prepare() after the weights are loaded.
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._o: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qkv: tuple[torch.Tensor | PackedWeight, torch.Tensor | None] | None = None
+        self._o: tuple[torch.Tensor | PackedWeight, torch.Tensor | None] | None = None
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, Dh]
         self._r_k: torch.Tensor | None = None  # [R, H, Dh]
         self._r_kt: torch.Tensor | None = None  # [H, Dh, R] (the C++ kernel's layout)
@@ -64,7 +65,9 @@ class Attention(nn.Module):
         """One fused q/k/v projection, and the position tables for every position the context allows."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = _fuse([p.weight for p in projections])
-        bias = _fuse([p.bias for p in projections]) if self.q_proj.bias is not None else None
+        bias = (
+            hugepages.place(torch.cat([p.bias.detach() for p in projections])) if self.q_proj.bias is not None else None
+        )
         # The three projections become views of the fused tensors: one copy of the weights in memory.
         for parts, fused in ((projections, weight), (projections, bias)):
             if fused is None:
@@ -73,7 +76,10 @@ class Attention(nn.Module):
             for p in parts:
                 name = "weight" if fused is weight else "bias"
                 size = getattr(p, name).shape[0]
-                setattr(p, name, nn.Parameter(fused[start : start + size], requires_grad=False))
+                view = (
+                    fused.rows(start, start + size) if isinstance(fused, PackedWeight) else fused[start : start + size]
+                )
+                setattr(p, name, view if isinstance(view, PackedWeight) else nn.Parameter(view, requires_grad=False))
                 start += size
         self._qkv = (weight, bias)
         self._o = (self.o_proj.weight, self.o_proj.bias)
@@ -85,7 +91,7 @@ class Attention(nn.Module):
         elif self.position == "relative":
             low = 0 if self.is_causal else -(max_len - 1)
             distances = torch.arange(low, max_len, device=device)  # [R]
-            r = sinusoid_relative(distances, self.hidden_size).to(weight.dtype)  # [R, D]
+            r = sinusoid_relative(distances, self.hidden_size).to(self.r_proj.weight.dtype)  # [R, D]
             self._r_k = self.r_proj(r).view(-1, self.num_heads, self.head_dim)  # [R, H, Dh]
             self._r_kt = self._r_k.permute(1, 2, 0).contiguous()
             self._r_offset = -low
@@ -157,5 +163,9 @@ class AttentionInputs:
     o_weight: torch.Tensor  # [D, H * Dh] the output projection (head h's slice: W_O^h)
 
 
-def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return hugepages.place(torch.cat([t.detach() for t in tensors]))
+def _fuse(tensors: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWeight:
+    if all(isinstance(t, PackedWeight) for t in tensors):  # packed weights (moe_serve.weights), fused as such
+        fused = PackedWeight.cat_rows(tensors)  # type: ignore[arg-type]
+        scales = hugepages.place(fused.scales) if fused.scales is not None else None
+        return PackedWeight(fused.format, hugepages.place(fused.data), scales, fused.shape)
+    return hugepages.place(torch.cat([t.detach() for t in tensors]))  # type: ignore[union-attr]

@@ -38,6 +38,26 @@ class ForwardBatch:
     # When a list: each MoE layer appends its tokens per expert [N] int64 (the ONNX graph's expert_counts).
     expert_counts: list[torch.Tensor] | None = None
 
+    @classmethod
+    def whole_sequences(cls, lengths: list[int], ks: list[int], device: torch.device | str = "cpu") -> ForwardBatch:
+        """Whole sequences packed one after another, no cache, sequence s at k ks[s]: what the runner builds
+        for a bidirectional or first-chunk step, and what a reference forward outside the engine runs."""
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        attention = AttentionBatch(
+            seq_ids=tensor([s for s, n in enumerate(lengths) for _ in range(n)]),
+            positions=tensor([p for n in lengths for p in range(n)]),
+            num_keys=tensor(lengths),
+            seq_starts=tensor(starts),
+            seq_lens=tuple(lengths),
+            num_keys_host=tuple(lengths),
+        )
+        token_k = tensor([k for k, n in zip(ks, lengths, strict=True) for _ in range(n)])
+        return cls(attention, token_k, max(ks))
+
     @property
     def seq_k(self) -> torch.Tensor:
         """[S] the k of each sequence."""

@@ -61,7 +61,13 @@ async def dashboard_data(
             if m.engine.expert_load is not None
         },
         "quality": [
-            {"model": name, "dataset": row.dataset, "metric": row.metric, "k": row.k, "value": row.value}
+            {
+                "model": name if row.weights is None else f"{name} ({row.weights})",  # a line per weight format
+                "dataset": row.dataset,
+                "metric": row.metric,
+                "k": row.k,
+                "value": row.value,
+            }
             for name, m in ctx.models.items()
             for row in (m.artifact.quality.rows if m.artifact.quality else ())
             if row.policy is None  # the chart draws quality at fixed k; adaptive runs are in quality.json

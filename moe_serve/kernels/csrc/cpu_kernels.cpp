@@ -3,18 +3,23 @@
 // operations whatever else is in the batch, so a token's result never depends on what it is batched with
 // (bitwise, on these paths).
 //
-//   linear         y[M, N] = x[M, K] W[N, K]^T + b: a 4x4 register-blocked kernel that streams W from memory
+//   linear         y[M, N] = x[M, K] W[N, K]^T + b: a register-blocked kernel that streams W from memory
 //                  once; every output is one FMA chain over K in a fixed order.
 //   moe_experts    sum over a token's slots of weight * expert(x): slots grouped by expert, each expert's
 //                  weights streamed once for all of its slots; combined in slot order.
+//   linear_packed, moe_experts_packed  the same over weights stored in fewer bits (bf16, int8, int4 with
+//                  fp16 group scales: see "weight formats"), unpacked in registers; fp32 activations and sums.
 //   topk_route     top-k experts per row (ties to the lower index) and their combine weights.
 //   rms_norm       one pass per row.
 //   rotary_write   rotary embedding of q and k in place, and the keys and values written to the cache.
 //   paged_attention  decode/prefill over the paged cache: keys stored transposed in each block
 //                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax.
 //   packed_attention  the same over keys packed with the queries (bidirectional encoders, no cache).
+//   DecodeStack    every layer of a plain pre-norm MoE decoder for a decode-only step, in one call over the
+//                  kernels above (moe_serve/models/decode_stack.py).
 //
-// Built with -march=native for AVX-512 or, on CPUs without it, AVX2 + FMA (see "16-lane float vectors").
+// Built with -march=native for AVX-512 or, on CPUs without it, AVX2 + FMA + F16C (see "16-lane float
+// vectors").
 //
 // Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots per
 // token, D hidden, I expert intermediate size, NB blocks, BS block size (a multiple of 16).
@@ -81,8 +86,24 @@ inline vf vreverse(vf a) {
 }
 inline float vreduce_add(vf a) { return _mm512_reduce_add_ps(a); }
 inline float vreduce_max_masked(mask16 m, vf a) { return _mm512_mask_reduce_max_ps(m, a); }
+// Grouped weights (see "weight formats"): 16 int8 values times their group's scale; a group of 32 int4
+// values (16 bytes, value j in byte j's low nibble, j + 16 in its high one) as (nibble - 8) * scale. A
+// permute reads only the low 4 bits of each 32-bit index, so a nibble picks its level from a 16-entry table
+// of (level - 8) * scale: one permute a vector (LM head at M = 1 on one core: 2.06 ms against 2.34 masking,
+// converting and multiplying as the AVX2 branch does).
+inline vf vload_int8(const int8_t* p, vf scale) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), scale);
+}
+inline void vload_int4(const uint8_t* p, vf scale, vf* w) {
+  const __m512 levels = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  __m512 table = _mm512_mul_ps(levels, scale);
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w[0] = _mm512_permutexvar_ps(bytes, table);                        // values 0-15: the low nibbles
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // values 16-31: the high nibbles
+}
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 constexpr const char* ISA = "avx2";
 struct vf {
@@ -164,9 +185,22 @@ inline float vreduce_max_masked(mask16 m, vf a) {
     if ((m >> c) & 1) best = std::max(best, lanes[c]);
   return best;
 }
+// Grouped weights (as in the AVX-512 branch): 8 lanes have no 16-entry permute, so the nibbles become
+// signed bytes (nibble - 8) and are converted like int8.
+inline __m256 int8x8_times(__m128i v, __m256 scale) {  // the low 8 bytes
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), scale);
+}
+inline vf int8x16_times(__m128i v, vf scale) { return {int8x8_times(v, scale.lo), int8x8_times(_mm_srli_si128(v, 8), scale.hi)}; }
+inline vf vload_int8(const int8_t* p, vf scale) { return int8x16_times(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), scale); }
+inline void vload_int4(const uint8_t* p, vf scale, vf* w) {
+  const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w[0] = int8x16_times(_mm_sub_epi8(_mm_and_si128(bytes, low4), eight), scale);
+  w[1] = int8x16_times(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), eight), scale);
+}
 
 #else
-#error "moe-serve's CPU kernels need AVX-512 (F, BW, VL) or AVX2 with FMA"
+#error "moe-serve's CPU kernels need AVX-512 (F, BW, VL) or AVX2 with FMA and F16C"
 #endif
 
 inline mask16 tail_mask(int64_t n) { return n >= 16 ? (mask16)0xFFFF : (mask16)((1u << n) - 1); }
@@ -190,31 +224,111 @@ inline vf exp16(vf x) {
 
 bool small_work(int64_t work) { return work < (1 << 15); }  // below this, a thread handoff costs more
 
+// ---- weight formats ----------------------------------------------------------------------------------
+// The dot-product kernels read a weight matrix [N, K] through a view of its stored format (the layouts of
+// moe_serve/kernels/packed.py): `load(n, k, w)` gives row n's values [k, k + STEP) as STEP / 16 fp32
+// vectors, unpacked in registers. Every value is exactly packed.dequantize's (a value times its fp32 scale
+// is one rounding, as there) and the kernels run one FMA chain per output whatever the format, so a packed
+// weight's results are bitwise the fp32 kernels' on its dequantized matrix, and as batch-invariant.
+// Activations and accumulation stay fp32.
+
+enum class Format { F32, BF16, INT8, INT4 };
+
+struct FormatInfo {
+  Format format;
+  const char* name;  // moe_serve.kernels.packed.WeightFormat's value
+  at::ScalarType data;
+  const char* layout;  // of the data, for messages
+};
+constexpr FormatInfo FORMATS[] = {
+    {Format::F32, "fp32", at::kFloat, "float32 [.., N, K]"},
+    {Format::BF16, "bf16", at::kBFloat16, "bfloat16 [.., N, K]"},
+    {Format::INT8, "int8", at::kChar, "int8 [.., N, K]"},
+    {Format::INT4, "int4", at::kByte, "uint8 [.., N, K / 2]"},
+};
+constexpr int64_t GROUP = 32;  // values along K that share one fp16 scale (packed.GROUP_SIZE)
+
+const FormatInfo& info(Format f) { return FORMATS[static_cast<int>(f)]; }
+
+Format parse_format(const std::string& name) {
+  for (const FormatInfo& f : FORMATS)
+    if (name == f.name) return f.format;
+  TORCH_CHECK(false, "unknown weight format '", name, "': fp32, bf16, int8 or int4");
+}
+
+inline vf vset1_fp16(uint16_t h) { return vset1(_cvtsh_ss(h)); }  // F16C
+
+// float or bf16 [N, K], rows `ld` apart: converting is stateless (bf16 is a shift), so register blocks of
+// several rows read it directly.
+template <typename T>
+struct Dense {
+  static constexpr int STEP = 16;
+  static constexpr bool TILED = false;
+  const T* p;
+  int64_t ld;
+  Dense at(int64_t n) const { return {p + n * ld, ld}; }
+  void load(int64_t n, int64_t k, vf* w) const { w[0] = vload(p + n * ld + k); }
+  vf load_tail(int64_t n, int64_t k, mask16 m) const { return vload_masked(m, p + n * ld + k); }
+};
+
+// Grouped formats: a step is one group of GROUP values and its scale. Their rows need a scale and
+// unpacking registers that a register block of several rows has no room for, so blocks read them
+// dequantized into an L1 tile (TILED, see dot_rows). K is a multiple of GROUP (checked at entry).
+struct Int8 {  // int8 [N, K], fp16 scales [N, K / GROUP]
+  static constexpr int STEP = GROUP;
+  static constexpr bool TILED = true;
+  const int8_t* q;
+  const uint16_t* d;
+  int64_t K;
+  Int8 at(int64_t n) const { return {q + n * K, d + n * (K / GROUP), K}; }
+  void load(int64_t n, int64_t k, vf* w) const {
+    vf scale = vset1_fp16(d[n * (K / GROUP) + k / GROUP]);
+    w[0] = vload_int8(q + n * K + k, scale);
+    w[1] = vload_int8(q + n * K + k + 16, scale);
+  }
+};
+
+struct Int4 {  // uint8 [N, K / 2], two values a byte (vload_int4), fp16 scales [N, K / GROUP]
+  static constexpr int STEP = GROUP;
+  static constexpr bool TILED = true;
+  const uint8_t* q;
+  const uint16_t* d;
+  int64_t K;
+  Int4 at(int64_t n) const { return {q + n * (K / 2), d + n * (K / GROUP), K}; }
+  void load(int64_t n, int64_t k, vf* w) const {
+    vload_int4(q + n * (K / 2) + k / 2, vset1_fp16(d[n * (K / GROUP) + k / GROUP]), w);
+  }
+};
+
 // ---- dot-product blocks ------------------------------------------------------------------------------
 
 // C[m * ldc + n] = dot(X[m], W[n]) for MB rows of X and NB rows of W, over K: one accumulator per output,
-// the same FMA chain whatever MB and NB are.
+// the same FMA chain (k = 0, 1, .., K - 1 in each lane) whatever MB, NB and W's format are.
 template <typename W, int MB, int NB>
-inline void micro(const float* X, int64_t ldx, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
+inline void micro(const float* X, int64_t ldx, const W& w, int64_t K, float* C, int64_t ldc) {
+  constexpr int V = W::STEP / 16;
   vf acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    vf w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = vload(Wp + j * ldw + k);
-    for (int i = 0; i < MB; ++i) {
-      vf x = vload(X + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, w[j], acc[i][j]);
-    }
+  for (; k + W::STEP <= K; k += W::STEP) {
+    vf wv[NB][V];
+    for (int j = 0; j < NB; ++j) w.load(j, k, wv[j]);
+    for (int v = 0; v < V; ++v)
+      for (int i = 0; i < MB; ++i) {
+        vf x = vload(X + i * ldx + k + 16 * v);
+        for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, wv[j][v], acc[i][j]);
+      }
   }
-  if (k < K) {
-    mask16 m = tail_mask(K - k);
-    vf w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = vload_masked(m, Wp + j * ldw + k);
-    for (int i = 0; i < MB; ++i) {
-      vf x = vload_masked(m, X + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, w[j], acc[i][j]);
+  if constexpr (!W::TILED) {  // a tail shorter than 16 (grouped formats have none)
+    if (k < K) {
+      mask16 m = tail_mask(K - k);
+      vf wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = w.load_tail(j, k, m);
+      for (int i = 0; i < MB; ++i) {
+        vf x = vload_masked(m, X + i * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[i][j] = vfmadd(x, wv[j], acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < MB; ++i)
@@ -233,39 +347,84 @@ constexpr int BLOCK_X = 2, BLOCK_W = 2;
 #endif
 
 template <typename W, int NB>
-inline void micro_rows(const float* X, int64_t ldx, int64_t mb, const W* Wp, int64_t ldw, int64_t K, float* C, int64_t ldc) {
+inline void micro_rows(const float* X, int64_t ldx, int64_t mb, const W& w, int64_t K, float* C, int64_t ldc) {
   switch (mb) {
-    case 8: micro<W, 8, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 7: micro<W, 7, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 6: micro<W, 6, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 5: micro<W, 5, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 4: micro<W, 4, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 3: micro<W, 3, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    case 2: micro<W, 2, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
-    default: micro<W, 1, NB>(X, ldx, Wp, ldw, K, C, ldc); break;
+    case 8: micro<W, 8, NB>(X, ldx, w, K, C, ldc); break;
+    case 7: micro<W, 7, NB>(X, ldx, w, K, C, ldc); break;
+    case 6: micro<W, 6, NB>(X, ldx, w, K, C, ldc); break;
+    case 5: micro<W, 5, NB>(X, ldx, w, K, C, ldc); break;
+    case 4: micro<W, 4, NB>(X, ldx, w, K, C, ldc); break;
+    case 3: micro<W, 3, NB>(X, ldx, w, K, C, ldc); break;
+    case 2: micro<W, 2, NB>(X, ldx, w, K, C, ldc); break;
+    default: micro<W, 1, NB>(X, ldx, w, K, C, ldc); break;
   }
+}
+
+// A row stride for copies of X (and tiles of W) that keeps their rows out of each other's L1 sets: rows
+// 4 KiB apart (K a multiple of 1024 floats) all land in the same set and evict each other and the W stream.
+inline int64_t padded_stride(int64_t K) { return (K + 15) / 16 * 16 + 16; }
+
+// Register blocks of BLOCK_X rows of X by BLOCK_W rows of W, then W's remaining rows one at a time.
+template <typename W>
+void dot_blocks(const float* X, int64_t ldx, int64_t M, const W& w, int64_t K, int64_t n0, int64_t n1, float* C, int64_t ldc) {
+  int64_t n = n0;
+  for (; n + BLOCK_W <= n1; n += BLOCK_W)
+    for (int64_t m = 0; m < M; m += BLOCK_X)
+      micro_rows<W, BLOCK_W>(X + m * ldx, ldx, std::min<int64_t>(BLOCK_X, M - m), w.at(n), K, C + m * ldc + n, ldc);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += 8)
+      micro_rows<W, 1>(X + m * ldx, ldx, std::min<int64_t>(8, M - m), w.at(n), K, C + m * ldc + n, ldc);
+}
+
+// Rows [n, n + rows) of w in fp32 (the values its loads give), rows `ld` apart.
+template <typename W>
+void dequantize_rows(const W& w, int64_t n, int64_t rows, int64_t K, float* out, int64_t ld) {
+  constexpr int V = W::STEP / 16;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; k += W::STEP) {
+      vf v[V];
+      w.load(n + r, k, v);
+      for (int i = 0; i < V; ++i) vstore(out + r * ld + k + 16 * i, v[i]);
+    }
 }
 
 // C[m, n] = dot(X[m], W[n]) for all M rows of X and rows [n0, n1) of W. W is read from memory once: with
 // up to 4 rows of X, one row of W at a time (a single sequential stream per thread: the prefetchers keep
 // up, ~30 GB/s here against ~23 with four interleaved streams); with more, blocks of BLOCK_W rows of W sit
-// in L1 while the rows of X stream past BLOCK_X at a time from L2. Every output is the same FMA chain: the
-// results are identical whatever M is.
+// in L1 while the rows of X stream past BLOCK_X at a time from L2 (grouped formats: dequantized once into
+// an L1 tile first). Every output is the same FMA chain: the results are identical whatever M is.
+//
+// Grouped formats, measured on one Zen 4 core (LM head 32000 x 1024 from memory, benchmarks/packed_gemv.py):
+// - up to 4 rows, unpacked in registers at each step: int4 2.06 ms at M = 1, int8 2.04 (fp32 4.05). Both
+//   are bound by the accumulator's FMA latency (two chained FMAs a group), yet two or four rows of W at a
+//   time (independent chains) were slower from memory (int4 2.88, 2.84 ms: several streams again);
+// - partial sums per group times the scale (sum x q, then one FMA by the scale): 1.68 / 1.64 ms at M = 1,
+//   but another summation order, which the register blocks above 4 rows have no registers for (25 sums,
+//   10 W vectors, 5 scales), so a row's result would depend on its batch: not taken;
+// - above 4 rows, tiles: as fast as unpacking in registers for 5-16 rows (int4 M = 16: 13.1 ms both), and
+//   the fp32 blocks' speed at prefill; for 1-4 rows they were slower (int8 M = 4: 8.1 ms against 4.8,
+//   int4 M = 1: 3.16 against 2.25: five chains from the tile, but a store and a load more a vector).
+//   bf16 through tiles was slower too (M = 5: 9.8 ms against 7.1): its shift stays in the blocks.
 template <typename W>
-void dot_rows(const float* X, int64_t ldx, int64_t M, const W* Wp, int64_t K, int64_t n0, int64_t n1, float* C, int64_t ldc) {
+void dot_rows(const float* X, int64_t ldx, int64_t M, const W& w, int64_t K, int64_t n0, int64_t n1, float* C, int64_t ldc) {
   if (M <= 4) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; m += 2)  // the second pair reads the row of W from L1
-        micro_rows<W, 1>(X + m * ldx, ldx, std::min<int64_t>(2, M - m), Wp + n * K, K, K, C + m * ldc + n, ldc);
+        micro_rows<W, 1>(X + m * ldx, ldx, std::min<int64_t>(2, M - m), w.at(n), K, C + m * ldc + n, ldc);
     return;
   }
-  int64_t n = n0;
-  for (; n + BLOCK_W <= n1; n += BLOCK_W)
-    for (int64_t m = 0; m < M; m += BLOCK_X)
-      micro_rows<W, BLOCK_W>(X + m * ldx, ldx, std::min<int64_t>(BLOCK_X, M - m), Wp + n * K, K, K, C + m * ldc + n, ldc);
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; m += 8)
-      micro_rows<W, 1>(X + m * ldx, ldx, std::min<int64_t>(8, M - m), Wp + n * K, K, K, C + m * ldc + n, ldc);
+  if constexpr (W::TILED) {
+    const int64_t ld = padded_stride(K);
+    std::vector<float> buffer(BLOCK_W * ld + 16);
+    float* tile = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;  // 64-byte aligned
+    for (int64_t n = n0; n < n1; n += BLOCK_W) {
+      int64_t rows = std::min<int64_t>(BLOCK_W, n1 - n);
+      dequantize_rows(w, n, rows, K, tile, ld);
+      dot_blocks(X, ldx, M, Dense<float>{tile, ld}, K, 0, rows, C + n, ldc);
+    }
+  } else {
+    dot_blocks(X, ldx, M, w, K, n0, n1, C, ldc);
+  }
 }
 
 // Rows per parallel task: a multiple of 4, all threads busy.
@@ -275,14 +434,77 @@ int64_t row_grain(int64_t rows) {
   return std::max<int64_t>(4, (grain + 3) / 4 * 4);
 }
 
-// ---- linear ------------------------------------------------------------------------------------------
+// ---- weight operands ---------------------------------------------------------------------------------
 
-// A row stride for copies of X that keeps its rows out of each other's L1 sets: rows 4 KiB apart (K a
-// multiple of 1024 floats) all land in the same set and evict each other and the W stream.
-inline int64_t padded_stride(int64_t K) { return (K + 15) / 16 * 16 + 16; }
+// A weight as Python passes it (a float tensor, or a PackedWeight's data, scales and format), checked once
+// at entry, then read through its format's view.
+struct Operand {
+  Format format;
+  torch::Tensor data, scales;  // scales: the grouped formats only
+  int64_t K;                   // input features (int4 data holds K / 2 bytes a row)
+};
+
+// `dims`: 2 for a matrix [N, K], 3 for an expert bank [E, N, K]; `what` names the operand in messages.
+Operand check_operand(const std::string& what, const torch::Tensor& data, const c10::optional<torch::Tensor>& scales,
+                      Format format, int64_t dims) {
+  const FormatInfo& f = info(format);
+  TORCH_CHECK(data.dim() == dims, what, ": expected ", dims, " dimensions, got ", data.sizes());
+  TORCH_CHECK(data.scalar_type() == f.data, what, ": ", f.name, " data must be ", f.layout, ", got ", data.scalar_type());
+  TORCH_CHECK(data.is_contiguous(), what, ": the data must be contiguous");
+  int64_t K = data.size(-1) * (format == Format::INT4 ? 2 : 1);
+  bool has_scales = scales.has_value() && scales->defined();
+  if (format == Format::INT8 || format == Format::INT4) {
+    TORCH_CHECK(K % GROUP == 0, what, ": ", f.name, " needs K a multiple of ", GROUP, ", got K = ", K);
+    TORCH_CHECK(has_scales, what, ": ", f.name, " data needs its fp16 group scales");
+    std::vector<int64_t> expected(data.sizes().begin(), data.sizes().end());
+    expected.back() = K / GROUP;
+    TORCH_CHECK(scales->scalar_type() == at::kHalf && scales->sizes() == at::IntArrayRef(expected), what,
+                ": scales must be float16 ", at::IntArrayRef(expected), " (one per ", GROUP, " values), got ",
+                scales->scalar_type(), " ", scales->sizes());
+    TORCH_CHECK(scales->is_contiguous(), what, ": the scales must be contiguous");
+  } else {
+    TORCH_CHECK(!has_scales, what, ": ", f.name, " weights have no scales");
+  }
+  return {format, data, has_scales ? *scales : torch::Tensor(), K};
+}
+
+const uint16_t* scales_of(const Operand& w) { return reinterpret_cast<const uint16_t*>(w.scales.data_ptr<at::Half>()); }
 
 template <typename W>
-void linear_impl(const float* x_in, int64_t M, int64_t K, const W* w, const float* bias, float* y, int64_t N) {
+W view(const Operand& w);
+template <>
+Dense<float> view(const Operand& w) { return {w.data.data_ptr<float>(), w.K}; }
+template <>
+Dense<bf16> view(const Operand& w) { return {w.data.data_ptr<bf16>(), w.K}; }
+template <>
+Int8 view(const Operand& w) { return {w.data.data_ptr<int8_t>(), scales_of(w), w.K}; }
+template <>
+Int4 view(const Operand& w) { return {w.data.data_ptr<uint8_t>(), scales_of(w), w.K}; }
+
+// f(view): f instantiated for the operand's format.
+template <typename F>
+void with_view(const Operand& w, F&& f) {
+  switch (w.format) {
+    case Format::F32: f(view<Dense<float>>(w)); break;
+    case Format::BF16: f(view<Dense<bf16>>(w)); break;
+    case Format::INT8: f(view<Int8>(w)); break;
+    case Format::INT4: f(view<Int4>(w)); break;
+  }
+}
+
+// A float bias [n] (any float dtype, converted), or an undefined tensor.
+torch::Tensor check_bias(const std::string& what, const c10::optional<torch::Tensor>& bias, at::IntArrayRef shape) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->sizes() == shape, what, ": expected shape ", shape, ", got ", bias->sizes());
+  return bias->to(at::kFloat).contiguous();
+}
+
+const float* ptr_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// ---- linear ------------------------------------------------------------------------------------------
+
+template <typename W>
+void linear_impl(const float* x_in, int64_t M, int64_t K, const W& w, const float* bias, float* y, int64_t N) {
   std::vector<float> padded;
   const float* x = x_in;
   int64_t ldx = K;
@@ -293,7 +515,7 @@ void linear_impl(const float* x_in, int64_t M, int64_t K, const W* w, const floa
     x = padded.data();
   }
   auto body = [&](int64_t n0, int64_t n1) {
-    dot_rows<W>(x, ldx, M, w, K, n0, n1, y, N);
+    dot_rows(x, ldx, M, w, K, n0, n1, y, N);
     if (bias != nullptr)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
@@ -302,26 +524,31 @@ void linear_impl(const float* x_in, int64_t M, int64_t K, const W* w, const floa
   else at::parallel_for(0, N, row_grain(N), body);
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: x must be float32");
+torch::Tensor linear_operand(const torch::Tensor& x, const Operand& w, const c10::optional<torch::Tensor>& bias) {
+  int64_t N = w.data.size(0), K = w.K;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [M, ", K, "] for a weight [", N, ", ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: x must be float32, got ", x.scalar_type());
   auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  int64_t M = xc.size(0);
   auto y = torch::empty({M, N}, xc.options());
-  torch::Tensor bc;
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    b = bc.data_ptr<float>();
-  }
-  if (wc.scalar_type() == at::kFloat) {
-    linear_impl<float>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), b, y.data_ptr<float>(), N);
-  } else {
-    TORCH_CHECK(wc.scalar_type() == at::kBFloat16, "linear: weight must be float32 or bfloat16");
-    linear_impl<bf16>(xc.data_ptr<float>(), M, K, wc.data_ptr<bf16>(), b, y.data_ptr<float>(), N);
-  }
+  torch::Tensor b = check_bias("linear: bias", bias, {N});
+  with_view(w, [&](const auto& view) { linear_impl(xc.data_ptr<float>(), M, K, view, ptr_or_null(b), y.data_ptr<float>(), N); });
   return y;
+}
+
+// weight [N, K] float32 or bfloat16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "linear: weight must be float32 or bfloat16, got ", weight.scalar_type(), " (packed formats: linear_packed)");
+  Format format = weight.scalar_type() == at::kFloat ? Format::F32 : Format::BF16;
+  return linear_operand(x, check_operand("linear: weight", weight.contiguous(), c10::nullopt, format, 2), bias);
+}
+
+// A PackedWeight's data [N, K] | [N, K / 2], scales [N, K / 32] (int8, int4) and format name.
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& data, const c10::optional<torch::Tensor>& scales,
+                            const std::string& format, const c10::optional<torch::Tensor>& bias) {
+  c10::optional<torch::Tensor> sc = scales.has_value() && scales->defined() ? c10::optional<torch::Tensor>(scales->contiguous()) : c10::nullopt;
+  return linear_operand(x, check_operand("linear_packed: weight", data.contiguous(), sc, parse_format(format), 2), bias);
 }
 
 // ---- MoE experts -------------------------------------------------------------------------------------
@@ -378,20 +605,18 @@ struct Work {
 };
 
 // out[s, r] for the slots s of each work item's expert: dot(in[s], w[e, r]) (+ b[e, r]); gated (w3): the
-// first matrix activated times the second; activate: act(first + b).
+// first matrix activated times the second; activate: act(first + b). w and w3 are banks [E * rows, cols].
 template <typename W>
 void expert_matmul(const std::vector<Work>& work, const std::vector<int64_t>& offsets, const float* in, int64_t ldin,
-                   const W* w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, int64_t act,
+                   const W& w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, int64_t act,
                    bool activate_out, float* out, int64_t ldout, float* scratch) {
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Work& job = work[i];
       int64_t s0 = offsets[job.expert], n = offsets[job.expert + 1] - s0;
-      const W* we = w + job.expert * rows * cols;
-      dot_rows<W>(in + s0 * ldin, ldin, n, we, cols, job.r0, job.r1, out + s0 * ldout, ldout);
+      dot_rows(in + s0 * ldin, ldin, n, w.at(job.expert * rows), cols, job.r0, job.r1, out + s0 * ldout, ldout);
       if (w3 != nullptr)
-        dot_rows<W>(in + s0 * ldin, ldin, n, w3 + job.expert * rows * cols, cols, job.r0, job.r1,
-                    scratch + s0 * ldout, ldout);
+        dot_rows(in + s0 * ldin, ldin, n, w3->at(job.expert * rows), cols, job.r0, job.r1, scratch + s0 * ldout, ldout);
       const float* be = b != nullptr ? b + job.expert * rows + job.r0 : nullptr;
       const float* b3e = b3 != nullptr ? b3 + job.expert * rows + job.r0 : nullptr;
       for (int64_t s = s0; s < s0 + n; ++s)
@@ -417,21 +642,24 @@ std::vector<Work> plan(const std::vector<int64_t>& offsets, int64_t rows, int64_
   return work;
 }
 
-// x [T, D] f32; topk_ids [T, K] int64 (-1: unused slot); topk_weights [T, K] f32;
-// w1 [E, I, D] (+ b1 [E, I]); w3 [E, I, D] (+ b3) for gated experts; w2 [E, D, I] (+ b2 [E, D]).
+// x [T, D] f32; topk_ids [T, K] int64 (-1: unused slot); topk_weights [T, K] f32; the banks w1 [E, I, D]
+// (+ b1 [E, I]), w3 [E, I, D] (+ b3) for gated experts, in one format; w2 [E, D, I] (+ b2 [E, D]) in its own.
 // Expert e computes y = act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2; out[t] = sum_j weight[t, j] y[t, j].
-torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
-                          const torch::Tensor& w1, const c10::optional<torch::Tensor>& b1,
-                          const c10::optional<torch::Tensor>& w3, const c10::optional<torch::Tensor>& b3,
-                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act) {
+torch::Tensor moe_experts_operands(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                                   const Operand& w1, const c10::optional<torch::Tensor>& b1, const c10::optional<Operand>& w3,
+                                   const c10::optional<torch::Tensor>& b3, const Operand& w2,
+                                   const c10::optional<torch::Tensor>& b2, int64_t act) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat, "moe_experts: float32 x");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "moe_experts: int64 topk_ids");
   auto xc = x.contiguous();
   auto ids = topk_ids.contiguous();
   auto weights = topk_weights.contiguous();
-  int64_t T = xc.size(0), D = xc.size(1), K = ids.size(1), E = w1.size(0), I = w1.size(1);
-  TORCH_CHECK(w1.size(2) == D && w2.size(1) == D && w2.size(2) == I, "moe_experts: weight shapes");
-  TORCH_CHECK(w1.is_contiguous() && w2.is_contiguous(), "moe_experts: contiguous weights");
+  int64_t T = xc.size(0), D = xc.size(1), K = ids.size(1), E = w1.data.size(0), I = w1.data.size(1);
+  TORCH_CHECK(w1.K == D, "moe_experts: w1 must be [E, I, D] with D = ", D, " (x's), got K = ", w1.K);
+  TORCH_CHECK(w2.data.size(0) == E && w2.data.size(1) == D && w2.K == I, "moe_experts: w2 must be [E, D, I] = [", E, ", ",
+              D, ", ", I, "], got ", w2.data.sizes(), " holding K = ", w2.K);
+  TORCH_CHECK(!w3.has_value() || (w3->format == w1.format && w3->data.sizes() == w1.data.sizes()),
+              "moe_experts: w3 must match w1's format and shape");
   const int64_t* idp = ids.data_ptr<int64_t>();
 
   // Slots grouped by expert, in (token, slot) order inside each group: a counting sort.
@@ -459,25 +687,20 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
       std::copy(xp + (i / K) * D, xp + (i / K + 1) * D, xsp + s * ldd);
     }
 
-  auto opt = [](const c10::optional<torch::Tensor>& t) { return t.has_value() && t->defined(); };
-  torch::Tensor b1f = opt(b1) ? b1->to(at::kFloat).contiguous() : torch::Tensor();
-  torch::Tensor b3f = opt(b3) ? b3->to(at::kFloat).contiguous() : torch::Tensor();
-  torch::Tensor b2f = opt(b2) ? b2->to(at::kFloat).contiguous() : torch::Tensor();
-  const float* b1p = b1f.defined() ? b1f.data_ptr<float>() : nullptr;
-  const float* b3p = b3f.defined() ? b3f.data_ptr<float>() : nullptr;
-  const float* b2p = b2f.defined() ? b2f.data_ptr<float>() : nullptr;
-  bool gated = opt(w3);
+  torch::Tensor b1f = check_bias("moe_experts: b1", b1, {E, I});
+  torch::Tensor b3f = check_bias("moe_experts: b3", b3, {E, I});
+  torch::Tensor b2f = check_bias("moe_experts: b2", b2, {E, D});
   std::vector<Work> up_work = plan(offsets, I, D), down_work = plan(offsets, D, I);
-  if (w1.scalar_type() == at::kFloat) {
-    const float* w3p = gated ? w3->data_ptr<float>() : nullptr;
-    expert_matmul<float>(up_work, offsets, xsp, ldd, w1.data_ptr<float>(), b1p, w3p, b3p, I, D, act, true, hp, ldi, upp);
-    expert_matmul<float>(down_work, offsets, hp, ldi, w2.data_ptr<float>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D, nullptr);
-  } else {
-    TORCH_CHECK(w1.scalar_type() == at::kBFloat16, "moe_experts: weights must be float32 or bfloat16");
-    const bf16* w3p = gated ? w3->data_ptr<bf16>() : nullptr;
-    expert_matmul<bf16>(up_work, offsets, xsp, ldd, w1.data_ptr<bf16>(), b1p, w3p, b3p, I, D, act, true, hp, ldi, upp);
-    expert_matmul<bf16>(down_work, offsets, hp, ldi, w2.data_ptr<bf16>(), b2p, nullptr, nullptr, D, I, act, false, ysp, D, nullptr);
-  }
+  with_view(w1, [&](const auto& up) {
+    using W = std::decay_t<decltype(up)>;
+    W gate = w3.has_value() ? view<W>(*w3) : W{};
+    expert_matmul(up_work, offsets, xsp, ldd, up, ptr_or_null(b1f), w3.has_value() ? &gate : nullptr, ptr_or_null(b3f), I,
+                  D, act, true, hp, ldi, upp);
+  });
+  with_view(w2, [&](const auto& down) {
+    expert_matmul(down_work, offsets, hp, ldi, down, ptr_or_null(b2f), decltype(&down)(nullptr), nullptr, D, I, act, false,
+                  ysp, D, nullptr);
+  });
 
   // Combine each token's slots in slot order with their weights: no atomics, batch-independent.
   auto out = torch::zeros({T, D}, xc.options());
@@ -493,6 +716,37 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
       for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
     }
   return out;
+}
+
+// The banks as float32 or bfloat16 tensors (w3, when given, of w1's dtype).
+torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                          const torch::Tensor& w1, const c10::optional<torch::Tensor>& b1,
+                          const c10::optional<torch::Tensor>& w3, const c10::optional<torch::Tensor>& b3,
+                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act) {
+  auto plain = [](const char* what, const torch::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "moe_experts: ", what,
+                " must be float32 or bfloat16, got ", w.scalar_type(), " (packed formats: moe_experts_packed)");
+    return check_operand(std::string("moe_experts: ") + what, w, c10::nullopt,
+                         w.scalar_type() == at::kFloat ? Format::F32 : Format::BF16, 3);
+  };
+  c10::optional<Operand> gate;
+  if (w3.has_value() && w3->defined()) gate = plain("w3", *w3);
+  return moe_experts_operands(x, topk_ids, topk_weights, plain("w1", w1), b1, gate, b3, plain("w2", w2), b2, act);
+}
+
+// The banks as PackedWeight fields: w1 and w3 (data, scales) in format_up, w2 in format_down (any of fp32,
+// bf16, int8, int4; scales None for fp32 and bf16).
+torch::Tensor moe_experts_packed(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                                 const std::string& format_up, const torch::Tensor& w1, const c10::optional<torch::Tensor>& s1,
+                                 const c10::optional<torch::Tensor>& b1, const c10::optional<torch::Tensor>& w3,
+                                 const c10::optional<torch::Tensor>& s3, const c10::optional<torch::Tensor>& b3,
+                                 const std::string& format_down, const torch::Tensor& w2,
+                                 const c10::optional<torch::Tensor>& s2, const c10::optional<torch::Tensor>& b2, int64_t act) {
+  Format up = parse_format(format_up);
+  c10::optional<Operand> gate;
+  if (w3.has_value() && w3->defined()) gate = check_operand("moe_experts_packed: w3", *w3, s3, up, 3);
+  return moe_experts_operands(x, topk_ids, topk_weights, check_operand("moe_experts_packed: w1", w1, s1, up, 3), b1, gate,
+                              b3, check_operand("moe_experts_packed: w2", w2, s2, parse_format(format_down), 3), b2, act);
 }
 
 // ---- routing -----------------------------------------------------------------------------------------
@@ -794,12 +1048,174 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// ---- the decoder layers of a decode step, without per-layer Python -----------------------------------
+//
+// A batch-1 decode step of a small MoE spends a large share of its time in the host glue between kernels
+// (~150 Python module calls a step). DecodeStack holds, once, every operand of a plain pre-norm decoder
+// (RMSNorm, fused q/k/v, rotary, paged attention, a top-k router, an expert bank) and runs all layers of a
+// decode-only step in one call. It calls the kernels above with the same operands in the same order as the
+// Python layers do (moe_serve/models/decode_stack.py decides which models qualify), so its results are the
+// Python path's, bitwise.
+
+struct StackLinear {
+  Operand weight;
+  torch::Tensor bias;           // [N] float32, or undefined
+  int64_t mkl_above_rows = -1;  // fp32 weights: above this many rows the Python path uses MKL (at::linear)
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (weight.format == Format::F32 && mkl_above_rows >= 0 && x.size(0) > mkl_above_rows)
+      return at::linear(x, weight.data, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+    return linear_operand(x, weight, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+  }
+};
+
+struct StackLayer {
+  torch::Tensor attn_norm, ffn_norm;  // RMSNorm weights [D] float32
+  double attn_eps, ffn_eps;
+  StackLinear qkv, o;
+  int64_t heads, kv_heads, head_dim;
+  double scale;
+  StackLinear router;  // [N, D] float32
+  int64_t weighting;
+  Operand w1, w2;
+  c10::optional<Operand> w3;
+  torch::Tensor b1, b2, b3;
+  int64_t activation;
+  torch::Tensor k_cache, v_cache;
+  torch::Tensor expert_load;  // [N] int64 while the engine tracks expert load, else undefined
+};
+
+Operand stack_operand(const std::string& what, const torch::Tensor& data, const c10::optional<torch::Tensor>& scales,
+                      const std::string& format, int64_t dims) {
+  c10::optional<torch::Tensor> s = scales.has_value() && scales->defined() ? c10::optional<torch::Tensor>(scales->contiguous()) : c10::nullopt;
+  return check_operand(what, data.contiguous(), s, parse_format(format), dims);
+}
+
+torch::Tensor defined_or_empty(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->to(at::kFloat).contiguous() : torch::Tensor();
+}
+
+class DecodeStack {
+ public:
+  explicit DecodeStack(int64_t linear_max_rows) : linear_max_rows_(linear_max_rows) {}
+
+  void add_layer(const torch::Tensor& attn_norm, double attn_eps, const torch::Tensor& ffn_norm, double ffn_eps,
+                 const std::string& qkv_format, const torch::Tensor& qkv, const c10::optional<torch::Tensor>& qkv_scales,
+                 const c10::optional<torch::Tensor>& qkv_bias, const std::string& o_format, const torch::Tensor& o,
+                 const c10::optional<torch::Tensor>& o_scales, const c10::optional<torch::Tensor>& o_bias,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, const torch::Tensor& router_weight,
+                 const c10::optional<torch::Tensor>& router_bias, int64_t weighting, const std::string& up_format,
+                 const torch::Tensor& w1, const c10::optional<torch::Tensor>& s1, const c10::optional<torch::Tensor>& b1,
+                 const c10::optional<torch::Tensor>& w3, const c10::optional<torch::Tensor>& s3,
+                 const c10::optional<torch::Tensor>& b3, const std::string& down_format, const torch::Tensor& w2,
+                 const c10::optional<torch::Tensor>& s2, const c10::optional<torch::Tensor>& b2, int64_t activation,
+                 const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+    TORCH_CHECK(router_weight.scalar_type() == at::kFloat && attn_norm.scalar_type() == at::kFloat &&
+                    ffn_norm.scalar_type() == at::kFloat, "DecodeStack: router and norm weights must be float32");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "DecodeStack: a contiguous float32 KV cache");
+    StackLayer layer;
+    layer.attn_norm = attn_norm.contiguous();
+    layer.ffn_norm = ffn_norm.contiguous();
+    layer.attn_eps = attn_eps;
+    layer.ffn_eps = ffn_eps;
+    layer.qkv = {stack_operand("DecodeStack: qkv", qkv, qkv_scales, qkv_format, 2), defined_or_empty(qkv_bias), linear_max_rows_};
+    layer.o = {stack_operand("DecodeStack: o", o, o_scales, o_format, 2), defined_or_empty(o_bias), linear_max_rows_};
+    layer.heads = heads;
+    layer.kv_heads = kv_heads;
+    layer.head_dim = head_dim;
+    layer.scale = scale;
+    layer.router = {stack_operand("DecodeStack: router", router_weight, c10::nullopt, "fp32", 2),
+                    defined_or_empty(router_bias), linear_max_rows_};
+    layer.weighting = weighting;
+    layer.w1 = stack_operand("DecodeStack: w1", w1, s1, up_format, 3);
+    if (w3.has_value() && w3->defined()) layer.w3 = stack_operand("DecodeStack: w3", *w3, s3, up_format, 3);
+    layer.w2 = stack_operand("DecodeStack: w2", w2, s2, down_format, 3);
+    layer.b1 = defined_or_empty(b1);
+    layer.b2 = defined_or_empty(b2);
+    layer.b3 = defined_or_empty(b3);
+    layer.activation = activation;
+    layer.k_cache = k_cache;
+    layer.v_cache = v_cache;
+    layers_.push_back(std::move(layer));
+  }
+
+  // The expert-load counters of each layer ([N] int64; None: not tracked), updated in place by run.
+  void set_expert_load(const std::vector<c10::optional<torch::Tensor>>& loads) {
+    TORCH_CHECK(loads.size() == layers_.size(), "DecodeStack: one expert-load entry per layer");
+    for (size_t i = 0; i < loads.size(); ++i)
+      layers_[i].expert_load = loads[i].has_value() && loads[i]->defined() ? *loads[i] : torch::Tensor();
+  }
+
+  // h [T, D] after the embeddings -> after the last layer. One token per sequence (a decode step).
+  torch::Tensor run(torch::Tensor h, const c10::optional<torch::Tensor>& cos_table, const c10::optional<torch::Tensor>& sin_table,
+                    const torch::Tensor& positions, const torch::Tensor& seq_ids, const torch::Tensor& num_keys,
+                    const torch::Tensor& block_tables, const torch::Tensor& slot_mapping, const torch::Tensor& token_k,
+                    int64_t max_k) const {
+    int64_t T = h.size(0);
+    c10::optional<torch::Tensor> cos, sin;
+    if (cos_table.has_value() && cos_table->defined()) {
+      cos = cos_table->index_select(0, positions);
+      sin = sin_table->index_select(0, positions);
+    }
+    const c10::optional<torch::Tensor> none;
+    for (const StackLayer& layer : layers_) {
+      int64_t H = layer.heads, G = layer.kv_heads, Dh = layer.head_dim;
+      auto qkv = layer.qkv(rms_norm(h, layer.attn_norm, layer.attn_eps));  // [T, (H + 2G) Dh]
+      auto parts = qkv.split_with_sizes({H * Dh, G * Dh, G * Dh}, 1);
+      auto q = parts[0].reshape({T, H, Dh}).contiguous();
+      auto k = parts[1].reshape({T, G, Dh}).contiguous();
+      auto v = parts[2].reshape({T, G, Dh}).contiguous();
+      rotary_write(q, k, v, cos, sin, layer.k_cache, layer.v_cache, slot_mapping);
+      auto attended = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_ids, positions, num_keys,
+                                      /*causal=*/true, layer.scale, none, none, 0);
+      h = h + layer.o(attended.reshape({T, H * Dh}));
+      auto x = rms_norm(h, layer.ffn_norm, layer.ffn_eps);
+      auto routed = topk_route(layer.router(x), token_k, max_k, layer.weighting);
+      if (layer.expert_load.defined()) count_experts(routed[0], layer.expert_load);
+      h = h + moe_experts_operands(x, routed[0], routed[1], layer.w1, opt(layer.b1), layer.w3, opt(layer.b3), layer.w2,
+                                   opt(layer.b2), layer.activation);
+    }
+    return h;
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+ private:
+  static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
+    return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+  }
+  // The tokens of each used slot (id >= 0) added to its expert's counter, as MoEBlock._count does.
+  static void count_experts(const torch::Tensor& ids, const torch::Tensor& load) {
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    int64_t* lp = load.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i)
+      if (ip[i] >= 0) lp[ip[i]] += 1;
+  }
+
+  int64_t linear_max_rows_;
+  std::vector<StackLayer> layers_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(ISA); }, "the vector instructions this build uses: avx512 or avx2");
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode step in one call")
+      .def(pybind11::init<int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_expert_load", &DecodeStack::set_expert_load)
+      .def("run", &DecodeStack::run)
+      .def("num_layers", &DecodeStack::num_layers);
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
+  m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
+  m.def("moe_experts_packed", &moe_experts_packed, "moe_experts over packed banks (up: w1, w3; down: w2)");
+  m.def("weight_formats", [] {
+    std::vector<std::string> names;
+    for (const FormatInfo& f : FORMATS) names.push_back(f.name);
+    return names;
+  }, "the weight formats' names (moe_serve.kernels.packed.WeightFormat)");
   m.def("topk_route", &topk_route, "top-k experts per row and their weights");
   m.def("weighting_codes", [] {
     return std::map<std::string, int64_t>{{"softmax_chosen", SOFTMAX_CHOSEN}, {"softmax_all", SOFTMAX_ALL}, {"uniform", UNIFORM}};

@@ -266,6 +266,9 @@ def moe_experts(
     [T, K] fp32 -> [T, D] in x's dtype. A token whose every slot is unused gets exactly 0. Under Triton's
     interpreter the tensors are CPU ones."""
     t, num_k = topk_ids.shape
+    # ops.moe_experts hands packed (quantized) banks over dequantized
+    assert isinstance(bank.w1, torch.Tensor) and isinstance(bank.w2, torch.Tensor), "a packed bank"
+    assert bank.w3 is None or isinstance(bank.w3, torch.Tensor), "a packed bank"
     num_experts, intermediate, hidden = bank.w1.shape
     assert bank.w1.dtype == x.dtype, "the bank and the activations share one dtype"
     parts = (bank.w1, bank.w2, bank.w3, bank.b1, bank.b3, bank.b2)

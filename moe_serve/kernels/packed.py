@@ -1,0 +1,186 @@
+"""Weights stored below fp32 for the CPU kernels: bf16, int8 and int4 (docs/architecture.md §6,
+docs/artifact-format.md "Weight formats"). Activations and accumulation stay fp32; the kernels unpack the
+weights in registers inside their dot products.
+
+- bf16: the weight rounded to bfloat16 (round to nearest even), [.., N, K].
+- int8: groups of GROUP_SIZE consecutive values along K share one fp16 scale d = max|w| / 127; the value
+  is round(w / d) in [-127, 127]. data int8 [.., N, K], scales fp16 [.., N, K / 32]. (llama.cpp's Q8_0.)
+- int4: groups of 32 share one fp16 scale d = m / -8, where m is the group's value of largest magnitude
+  (its sign kept, so that value lands exactly on -8 and the 16 levels cover [-8d, 7d]); the value is
+  min(15, round(w / d + 8)), stored as a nibble: byte j of a group holds value j in its low nibble and
+  value j + 16 in its high nibble. data uint8 [.., N, K / 2], scales fp16 [.., N, K / 32]. (Q4_0.)
+
+fp16 scales halve the scale bytes against fp32 (int4: 4.5 bits a weight, not 5) at a relative error of
+2^-11 on the scale, far under the rounding of the values themselves. `quantize` and `dequantize` here are
+the definition; the kernels are tested against `dequantize`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32  # values along K that share a scale (int8, int4)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+class WeightFormat(enum.StrEnum):
+    """How a weight tensor is stored; FP32 is the plain tensor."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def grouped(self) -> bool:
+        return self in (WeightFormat.INT8, WeightFormat.INT4)
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight read by a kernel, scales included."""
+        return {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5}[self.value]
+
+
+PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+
+
+class PackError(ValueError):
+    """A tensor that cannot be stored in the requested format (its message names why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight [.., N, K] in a packed format: the kernels' operand in place of a float tensor."""
+
+    format: WeightFormat
+    data: torch.Tensor  # bf16 [.., N, K] | int8 [.., N, K] | uint8 [.., N, K / 2]
+    scales: torch.Tensor | None  # fp16 [.., N, K / GROUP_SIZE] for int8 and int4; None for bf16
+    shape: tuple[int, ...]  # the logical shape [.., N, K]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Rows [start, stop) of the last-but-one dimension (output features): a view, no copy."""
+        scales = self.scales[..., start:stop, :] if self.scales is not None else None
+        return PackedWeight(
+            self.format, self.data[..., start:stop, :], scales, (*self.shape[:-2], stop - start, self.shape[-1])
+        )
+
+    @staticmethod
+    def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+        """The parts stacked along output features (a fused projection): one contiguous copy."""
+        first = parts[0]
+        if any(
+            p.format is not first.format or p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1]
+            for p in parts
+        ):
+            raise PackError("fused projections must share their format and input features")
+        data = torch.cat([p.data for p in parts], dim=-2)
+        scales = torch.cat([p.scales for p in parts], dim=-2) if first.scales is not None else None  # type: ignore[misc]
+        rows = sum(p.shape[-2] for p in parts)
+        return PackedWeight(first.format, data, scales, (*first.shape[:-2], rows, first.shape[-1]))
+
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors an artifact stores for weight `name` (see docs/artifact-format.md)."""
+        if self.format is WeightFormat.BF16:
+            return {name: self.data}
+        assert self.scales is not None
+        return {f"{name}.qdata": self.data, f"{name}.scales": self.scales}
+
+
+def stored_names(name: str, fmt: WeightFormat) -> tuple[str, ...]:
+    """The artifact's tensor names for weight `name` stored in `fmt`."""
+    return (f"{name}.qdata", f"{name}.scales") if fmt.grouped else (name,)
+
+
+def packed_shapes(shape: tuple[int, ...], fmt: WeightFormat) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """suffix -> (shape, dtype) of what `fmt` stores for a weight of logical `shape` ("" is the weight's
+    own name; ".qdata" and ".scales" follow it)."""
+    *lead, k = shape
+    if fmt is WeightFormat.BF16:
+        return {"": (tuple(shape), torch.bfloat16)}
+    if fmt is WeightFormat.FP32:
+        return {"": (tuple(shape), torch.float32)}
+    groups = k // GROUP_SIZE
+    data = ((*lead, k), torch.int8) if fmt is WeightFormat.INT8 else ((*lead, k // 2), torch.uint8)
+    return {".qdata": data, ".scales": ((*lead, groups), torch.float16)}
+
+
+def check_packable(name: str, shape: tuple[int, ...], fmt: WeightFormat) -> str | None:
+    """Why weight `name` of `shape` cannot be stored in `fmt` (None: it can)."""
+    if fmt.grouped and shape[-1] % GROUP_SIZE:
+        return f"'{name}' has {shape[-1]} input features, not a multiple of the group size {GROUP_SIZE}"
+    return None
+
+
+def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> PackedWeight:
+    """A float weight [.., N, K] -> its packed form (computed in fp32, on the weight's device)."""
+    fmt = WeightFormat(fmt)
+    if fmt is WeightFormat.FP32:
+        raise PackError("fp32 is the unpacked format: keep the tensor")
+    reason = check_packable(name, tuple(weight.shape), fmt)
+    if reason is not None:
+        raise PackError(reason)
+    w = weight.detach().float()
+    if not torch.isfinite(w).all():
+        raise PackError(f"'{name}' holds NaN or infinite values")
+    shape = tuple(w.shape)
+    if fmt is WeightFormat.BF16:
+        return PackedWeight(fmt, w.to(torch.bfloat16).contiguous(), None, shape)
+    groups = w.reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE)  # [.., N, G, 32]
+    if fmt is WeightFormat.INT8:
+        scale = groups.abs().amax(-1) / 127.0
+    else:  # the value of largest magnitude, sign kept, maps to -8
+        extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale = extreme / -8.0
+    if scale.abs().max() > _FP16_MAX:
+        raise PackError(f"'{name}' has values too large for fp16 group scales (largest scale {scale.abs().max():.3g})")
+    scale16 = scale.to(torch.float16)
+    d = scale16.float()[..., None]  # quantize against the scale as stored, so dequantize inverts it
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    if fmt is WeightFormat.INT8:
+        q = torch.round(groups * inverse).clamp(-127, 127).to(torch.int8)
+        return PackedWeight(fmt, q.reshape(shape).contiguous(), scale16.contiguous(), shape)
+    q = torch.round(groups * inverse + 8.0).clamp(0, 15).to(torch.uint8)  # [.., G, 32]
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # [.., G, 16]
+    data = nibbles.reshape(*shape[:-1], shape[-1] // 2).contiguous()
+    return PackedWeight(fmt, data, scale16.contiguous(), shape)
+
+
+def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight a packed one stands for: the reference every kernel is tested against."""
+    if packed.format is WeightFormat.BF16:
+        return packed.data.to(dtype)
+    assert packed.scales is not None
+    shape = packed.shape
+    groups = shape[-1] // GROUP_SIZE
+    if packed.format is WeightFormat.INT8:
+        values = packed.data.reshape(*shape[:-1], groups, GROUP_SIZE).float()
+    else:
+        nibbles = packed.data.reshape(*shape[:-1], groups, GROUP_SIZE // 2)
+        low, high = (nibbles & 0xF).float(), (nibbles >> 4).float()
+        values = torch.cat([low, high], dim=-1) - 8.0  # [.., G, 32]
+    return (values * packed.scales.float()[..., None]).reshape(shape).to(dtype)
+
+
+def from_stored(fmt: WeightFormat, tensors: dict[str, torch.Tensor], shape: tuple[int, ...]) -> PackedWeight:
+    """A packed weight from the tensors an artifact stores for it (suffix -> tensor, as `packed_shapes`)."""
+    if fmt is WeightFormat.BF16:
+        return PackedWeight(fmt, tensors[""], None, shape)
+    return PackedWeight(fmt, tensors[".qdata"], tensors[".scales"], shape)

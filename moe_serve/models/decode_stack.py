@@ -1,0 +1,153 @@
+"""The decoder layers of a CPU decode step in one C++ call (the extension's DecodeStack; docs/architecture.md
+§6): for a batch of decodes, a bandwidth-bound step of a small model otherwise spends a large share of its
+time in the host glue between kernels, ~20 Python module calls per layer.
+
+It applies to the plain MoE decoder most checkpoints are (Mixtral, Qwen3-MoE, OLMoE without qk norm): pre-norm
+RMSNorm, rotary or learned positions, every layer an MoE layer with a top-k router that reads only its logits,
+no shared expert, fp32 activations and cache on the C++ kernels. Everything else, and every step that is not
+decode-only, runs the Python layers. Both paths call the same kernels with the same operands in the same order,
+so a token's result does not depend on which ran (tests/unit/test_decode_stack.py checks it bitwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moe_serve.kernels import cpu_extension, ops
+from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.layers.attention import Attention
+from moe_serve.layers.batch import ForwardBatch
+from moe_serve.layers.norm import RMSNorm
+from moe_serve.layers.routers import Router
+
+if TYPE_CHECKING:
+    from moe_serve.engine.kv_cache import KVCache
+    from moe_serve.models.transformer import MoETransformer
+
+logger = logging.getLogger(__name__)
+
+
+def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | None:
+    """Why the decode stack cannot run this model's decode steps (None: it can)."""
+    config = model.config
+    if cache is None or cache.layers[0][0].device.type != "cpu" or cpu_extension() is None:
+        return "it runs on the CPU kernels, with a KV cache"
+    if model.embed_tokens.weight.dtype != torch.float32 or cache.layers[0][0].dtype != torch.float32:
+        return "it runs float32 activations and cache"
+    if cache.shape.block_size % 16:
+        return "the CPU attention kernel reads blocks of a multiple of 16 tokens"
+    if config.norm_position != "pre" or config.norm != "rmsnorm" or config.position == "relative":
+        return "it runs pre-norm RMSNorm layers with rotary or learned positions"
+    for layer in model.decoder_layers:
+        attn = layer.attn
+        if not isinstance(attn, Attention) or attn.qk_norm is not None or attn.qkv_clip is not None:
+            return "it runs attention without q/k norms or clipping"
+        if not layer.is_moe:
+            return "every layer must be an MoE layer"
+        moe = layer.moe
+        kind = type(moe.router_kind)
+        if kind.route is not Router.route or kind.per_sequence or moe._stateful or kind.reads_attention:
+            return f"router kind {kind.kind} reads more than its logits"
+        if moe.config.shared_expert is not None or moe.config.hyper_expert is not None or moe.local_experts:
+            return "it runs the routed experts only (no shared expert, adapters or expert parallelism)"
+        if moe.input_norm is not None or not isinstance(layer.attn_norm, RMSNorm):
+            return "it runs RMSNorm before attention and experts only"
+    return None
+
+
+def decode_stack_for(model: MoETransformer, cache: KVCache | None, enabled: bool) -> DecodeStack | None:
+    """The model's decode stack over this cache, or None (the reason logged) where it does not apply."""
+    if not enabled:
+        return None
+    reason = unsupported_reason(model, cache)
+    if reason is not None:
+        logger.info("decode steps run layer by layer in Python: %s", reason)
+        return None
+    assert cache is not None
+    return DecodeStack(model, cache)
+
+
+class DecodeStack:
+    """Built once per runner: every layer's operands handed to the C++ DecodeStack."""
+
+    def __init__(self, model: MoETransformer, cache: KVCache) -> None:
+        ext = cpu_extension()
+        assert ext is not None
+        self.caches = cache.layers
+        self._stack = ext.DecodeStack(ops.LINEAR_MAX_ROWS)
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        for index, layer in enumerate(model.decoder_layers):
+            attn, moe = layer.attn, layer.moe
+            assert attn._qkv is not None and attn._o is not None and moe._router is not None
+            self._rotary = attn._rotary
+            bank = moe._bank or moe.experts.weights()
+            k_cache, v_cache = self.caches[index]
+            self._stack.add_layer(
+                layer.attn_norm.weight,
+                layer.attn_norm.eps,
+                layer.ffn_norm.weight,
+                layer.ffn_norm.eps,
+                *_operand(attn._qkv[0]),
+                attn._qkv[1],
+                *_operand(attn._o[0]),
+                attn._o[1],
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                attn.scale,
+                moe._router[0],
+                moe._router[1],
+                int(moe.router_kind.weighting),
+                ops.kernel_format(bank.w1),
+                *ops.kernel_parts(bank.w1),
+                bank.b1,
+                *(ops.kernel_parts(bank.w3) if bank.w3 is not None else (None, None)),
+                bank.b3,
+                *_operand(bank.w2),
+                bank.b2,
+                ops.ACTIVATION_IDS[bank.activation],
+                k_cache,
+                v_cache,
+            )
+        self._loads = [layer.moe for layer in model.decoder_layers]
+        self.track_expert_load()
+
+    def track_expert_load(self) -> None:
+        """Hand the layers' expert-load counters (MoEBlock.expert_load) to the stack, which counts into them."""
+        self._stack.set_expert_load([moe.expert_load for moe in self._loads])
+
+    def accepts(self, batch: ForwardBatch) -> bool:
+        """A decode-only step over this cache at fixed k (top-p steps, graph exports: the Python layers)."""
+        attention = batch.attention
+        return (
+            isinstance(attention, AttentionBatch)
+            and batch.kv_caches is self.caches
+            and batch.adaptive_k is None
+            and batch.expert_counts is None
+            and len(attention.seq_lens) == attention.positions.shape[0]  # one token per sequence
+        )
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        attention = batch.attention
+        assert isinstance(attention, AttentionBatch)
+        cos, sin = self._rotary if self._rotary is not None else (None, None)
+        return self._stack.run(
+            h,
+            cos,
+            sin,
+            attention.positions,
+            attention.seq_ids,
+            attention.num_keys,
+            attention.block_tables,
+            attention.slot_mapping,
+            batch.token_k,
+            batch.max_k,
+        )
+
+
+def _operand(weight: Any) -> tuple[str | None, torch.Tensor, torch.Tensor | None]:
+    """(format, data, scales) as the C++ kernels take a weight."""
+    return (ops.kernel_format(weight), *ops.kernel_parts(weight))

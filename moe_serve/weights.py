@@ -1,0 +1,142 @@
+"""Which of a model's weights an artifact may store packed (bf16, int8, int4: moe_serve.kernels.packed), the
+manifest section that records it, and putting packed weights into a loaded model (docs/artifact-format.md,
+"Weight formats").
+
+A weight is packable when the runtime reads it only through the kernels' linear and MoE operands
+(`ops.linear`, `ops.moe_experts`): attention projections, dense FFNs, shared experts, expert banks and an
+untied LM head. Everything else stays as it is: router weights and norms (router math is fp32: a quantized
+router flips top-k sets), embeddings (a lookup, not a product), classifier heads, Transformer-XL's
+positional projection (applied once at load), HyperMoE's adapter table, SMEAR's banks (their parameters
+are averaged per input, so they are read as floats) and the output projection of a layer whose router
+reads attention (it reads W_O's columns per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_serve.errors import ArtifactError
+from moe_serve.kernels.packed import GROUP_SIZE, PACKED_FORMATS, PackedWeight, WeightFormat, check_packable, quantize
+from moe_serve.layers.ffn import linear_shapes
+from moe_serve.layers.routers import router_class
+from moe_serve.model_config import ModelConfig
+
+MANIFEST_KEY = "weights"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSpec:
+    """The manifest's "weights" section: the format and which weights are stored in it."""
+
+    format: WeightFormat
+    packed: tuple[str, ...]  # weight names (as the model names them) stored packed
+    group_size: int = GROUP_SIZE
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format.value, "packed": list(self.packed)}
+        if self.format.grouped:
+            out["group_size"] = self.group_size
+        return out
+
+    @classmethod
+    def parse(cls, data: Any, config: ModelConfig, where: str) -> WeightsSpec:
+        """The section as written, checked against the config: a known packed format, the group size this
+        runtime reads, and only weights the model may hold packed."""
+        if not isinstance(data, dict):
+            raise ArtifactError(f'{where}: "{MANIFEST_KEY}" must be an object')
+        formats = ", ".join(f.value for f in PACKED_FORMATS)
+        try:
+            fmt = WeightFormat(str(data.get("format")))
+        except ValueError:
+            raise ArtifactError(
+                f"{where}: weights format must be one of {formats}; got {data.get('format')!r}"
+            ) from None
+        if fmt not in PACKED_FORMATS:
+            raise ArtifactError(f'{where}: weights format must be one of {formats}; got "{fmt.value}"')
+        group = data.get("group_size", GROUP_SIZE if fmt.grouped else None)
+        if fmt.grouped and group != GROUP_SIZE:
+            raise ArtifactError(
+                f"{where}: weights group_size {group!r} is not supported; this runtime reads {GROUP_SIZE}"
+            )
+        packed = data.get("packed")
+        if not (isinstance(packed, list) and all(isinstance(n, str) for n in packed)):
+            raise ArtifactError(f'{where}: weights "packed" must be a list of tensor names')
+        allowed = packable_weights(config, fmt)
+        for name in packed:
+            if name not in allowed:
+                raise ArtifactError(
+                    f"{where}: weight '{name}' cannot be stored as {fmt.value} (not a packable weight of this model)"
+                )
+        return cls(fmt, tuple(packed), GROUP_SIZE)
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names and shapes for a config (built on the meta device: no memory used)."""
+    from moe_serve.models import MoETransformer
+
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def packable_weights(config: ModelConfig, fmt: WeightFormat) -> dict[str, tuple[int, ...]]:
+    """name -> logical shape of every weight of `config` that may be stored in `fmt` (see the module doc)."""
+    names = []
+    for i in range(config.num_layers):
+        attn = f"layers.{i}.attn"
+        names += [f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"]
+        moe = config.moe if config.is_moe_layer(i) else None
+        kind = router_class(moe.router.kind) if moe is not None else None
+        if kind is None or not kind.reads_attention:
+            names.append(f"{attn}.o_proj.weight")
+        if moe is None:
+            names += [f"layers.{i}.ffn.{name}.weight" for name in linear_shapes(config.ffn, config.hidden_size)]
+            continue
+        assert kind is not None
+        if not kind.merges_experts:
+            names += [f"layers.{i}.moe.experts.{name}.weight" for name in linear_shapes(moe.expert, config.hidden_size)]
+        if moe.shared_expert is not None:
+            shared = linear_shapes(moe.shared_expert, config.hidden_size)
+            names += [f"layers.{i}.moe.shared_expert.{name}.weight" for name in shared]
+    if config.task == "causal_lm" and not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    shapes = expected_tensors(config)
+    return {name: shapes[name] for name in names if check_packable(name, shapes[name], fmt) is None}
+
+
+def pack(
+    config: ModelConfig, state: dict[str, torch.Tensor], fmt: WeightFormat
+) -> tuple[dict[str, torch.Tensor], WeightsSpec]:
+    """A float state dict -> the tensors an artifact stores in `fmt` (packed weights under their stored
+    names, the rest unchanged) and the manifest section."""
+    packable = packable_weights(config, fmt)
+    out: dict[str, torch.Tensor] = {}
+    packed: list[str] = []
+    for name, tensor in state.items():
+        if name in packable:
+            out.update(quantize(tensor, fmt, name).stored(name))
+            packed.append(name)
+        else:
+            out[name] = tensor
+    return out, WeightsSpec(fmt, tuple(packed))
+
+
+def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
+    """Put each packed weight where the model's float parameter of that name was (before `prepare`)."""
+    for name, packed in weights.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        del module._parameters[attr]  # a PackedWeight is no Parameter: it becomes a plain attribute
+        setattr(module, attr, packed)
+
+
+def packed_refusal(spec: WeightsSpec, runtime: str) -> str:
+    """Why `runtime` (the ONNX export, the vLLM plugin) refuses an artifact of packed weights."""
+    return (
+        f"this artifact stores {spec.format.value} weights (moe-serve quantize), which only moe-serve's CPU kernels "
+        f"read; {runtime} takes artifacts of float weights: use the artifact it was quantized from"
+    )

@@ -1,0 +1,97 @@
+"""The C++ decode stack (moe_serve.models.decode_stack) computes what the Python layers compute, bitwise, in
+mixed-k batches and in every weight format, and counts expert load the same; models it cannot run keep the
+Python layers, with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_serve import LLM, EngineConfig, SamplingParams
+from moe_serve.engine.kv_cache import KVCache, cache_shape
+from moe_serve.kernels import cpu_extension
+from moe_serve.model_config import FFNConfig
+from moe_serve.models.decode_stack import unsupported_reason
+from moe_serve.testing import create_random_artifact
+from tests.conftest import lm_config, moe_config
+
+pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU kernels are not built on this machine")
+
+PROMPTS = ["To be, or not to be", "Exit, pursued", "O", "Now is the winter of our discontent made glorious"]
+
+
+def mixtral_like(**overrides):
+    """Every layer MoE, pre-norm RMSNorm, rotary: what the stack runs."""
+    base = lm_config(
+        hidden_size=64, num_layers=3, norm="rmsnorm", moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64))
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_random_artifact(tmp_path_factory.mktemp("stack") / "model", mixtral_like(), seed=5)
+
+
+def _run(path: Path, stack: bool, weights: str | None) -> tuple[list, dict]:
+    llm = LLM(path, EngineConfig(cpu_decode_stack=stack, weights=weights))
+    model = llm.artifact.model  # type: ignore[attr-defined]
+    assert (model.decode_stack is not None) == stack
+    used = []
+    if stack:  # count the steps the stack ran, so the test proves it ran
+        original = model.decode_stack.__call__.__func__
+
+        class Counting(type(model.decode_stack)):  # type: ignore[misc]
+            def __call__(self, h, batch):
+                used.append(h.shape[0])
+                return original(self, h, batch)
+
+        model.decode_stack.__class__ = Counting
+    llm.engine.runner.track_expert_load()
+    params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, experts_per_token=k) for k in (1, 2, 4, 3)]
+    outputs = llm.generate(PROMPTS, params)  # one batch, mixed k
+    if stack:
+        assert used and max(used) == len(PROMPTS)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs) for o in outputs], (
+        llm.engine.runner.read_expert_load()
+    )
+
+
+@pytest.mark.parametrize("weights", [None, "bf16", "int8", "int4"])
+def test_the_stack_equals_the_python_layers_bitwise_in_mixed_k_batches(artifact: Path, weights: str | None) -> None:
+    python, python_load = _run(artifact, False, weights)
+    stack, stack_load = _run(artifact, True, weights)
+    assert stack == python
+    assert stack_load == python_load and sum(python_load[0]) > 0
+
+
+def _cache(config) -> KVCache:
+    return KVCache(config, cache_shape(config, torch.float32, 1 << 20, 16), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(norm_position="post"), "pre-norm RMSNorm"),
+        (dict(position="relative"), "pre-norm RMSNorm"),
+        (dict(moe=moe_config(layers=(1,), expert=FFNConfig("glu", 64))), "every layer must be an MoE layer"),
+        (
+            dict(moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64), shared_expert=FFNConfig("glu", 64))),
+            "no shared expert",
+        ),
+    ],
+    ids=["post-norm", "relative", "dense-layer", "shared-expert"],
+)
+def test_models_the_stack_cannot_run_keep_the_python_layers(overrides: dict, reason: str) -> None:
+    from moe_serve.models import MoETransformer
+
+    config = mixtral_like(**overrides)
+    model = MoETransformer(config).eval()
+    model.prepare()
+    assert reason in (unsupported_reason(model, _cache(config)) or "")
+    plain = MoETransformer(mixtral_like()).eval()
+    plain.prepare()
+    assert unsupported_reason(plain, _cache(mixtral_like())) is None
