@@ -4,7 +4,11 @@ routers, the other projections). What no kernel accounts for is the host's share
 building, sampling, detokenizing. Then the same steps run with every C++ kernel call answered from a cache
 (python_floor): what a step costs besides the kernels.
 
-    python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2]
+    python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2] [--weights int4]
+
+The profile runs the Python layers (the kernel calls are theirs); then the same steps run with the C++ decode
+stack (moe_serve.models.decode_stack), which calls the same kernels from C++: its step time less the kernels'
+time is the host time left.
 """
 
 from __future__ import annotations
@@ -62,12 +66,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default=None, help="pack the weights at load: bf16, int8, int4")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(args.model_dir, EngineConfig(max_num_seqs=args.batch))
+    llm = decoding(args, decode_stack=False)
     timer = KernelTimer(llm.config.vocab_size)
-    params = SamplingParams(max_tokens=2 * args.steps + 8, temperature=0, ignore_eos=True, experts_per_token=args.k)
+    timer.enabled = True
+    total = time_steps(llm, args.steps)
+    timer.enabled = False
+
+    per_step = {label: seconds / args.steps for label, seconds in timer.seconds.items()}
+    kernels = sum(per_step.values())
+    per_step["host (scheduling, batch building, sampling, detokenizing)"] = total - kernels
+    weights = args.weights or "float"
+    print(f"{args.model_dir} ({weights} weights): batch {args.batch}, k={args.k}: {total * 1e3:.2f} ms per decode step")
+    print("| part | ms per step | share |\n|---|---|---|")
+    for label, seconds in sorted(per_step.items(), key=lambda item: -item[1]):
+        print(f"| {label} | {seconds * 1e3:.2f} | {seconds / total:.0%} |")
+    floor = python_floor(llm, args.steps)
+    print(f"with every C++ kernel call answered from a cache (the Python and torch glue): {floor * 1e3:.2f} ms")
+    del llm
+    stacked = time_steps(decoding(args, decode_stack=True), args.steps)
+    print(
+        f"with the C++ decode stack: {stacked * 1e3:.2f} ms per decode step; host time (step less the kernels' "
+        f"{kernels * 1e3:.2f} ms) {(total - kernels) * 1e3:.2f} ms -> {(stacked - kernels) * 1e3:.2f} ms"
+    )
+
+
+def decoding(args: argparse.Namespace, decode_stack: bool) -> LLM:
+    """An engine with `args.batch` sequences past their prompts: every later step decodes only."""
+    config = EngineConfig(max_num_seqs=args.batch, weights=args.weights, cpu_decode_stack=decode_stack)
+    llm = LLM(args.model_dir, config)
+    params = SamplingParams(max_tokens=4 * args.steps + 8, temperature=0, ignore_eos=True, experts_per_token=args.k)
     rng = random.Random(0)
     vocab = min(llm.config.vocab_size, 257)
     seqs = []
@@ -77,21 +108,14 @@ def main() -> None:
     while not all(seq.num_output_tokens for seq in seqs):  # every prompt prefilled: only decodes from here
         llm.engine.step()
     llm.engine.step()  # one untimed decode step
-    timer.enabled = True
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        llm.engine.step()
-    total = (time.perf_counter() - start) / args.steps
-    timer.enabled = False
+    return llm
 
-    per_step = {label: seconds / args.steps for label, seconds in timer.seconds.items()}
-    per_step["host (scheduling, batch building, sampling, detokenizing)"] = total - sum(per_step.values())
-    print(f"{args.model_dir}: batch {args.batch}, k={args.k}: {total * 1e3:.1f} ms per decode step")
-    print("| part | ms per step | share |\n|---|---|---|")
-    for label, seconds in sorted(per_step.items(), key=lambda item: -item[1]):
-        print(f"| {label} | {seconds * 1e3:.2f} | {seconds / total:.0%} |")
-    floor = python_floor(llm, args.steps)
-    print(f"with every C++ kernel call answered from a cache (the Python and torch glue): {floor * 1e3:.2f} ms")
+
+def time_steps(llm: LLM, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return (time.perf_counter() - start) / steps
 
 
 def python_floor(llm: LLM, steps: int) -> float:

@@ -44,7 +44,7 @@ ENGINES = ("moe-serve", "hf", "vllm", "vllm-eager", "llama.cpp")
 
 
 @dataclass(frozen=True, slots=True)
-class WeightFormat:
+class FormatPair:
     """One row group of the formats table: moe-serve's artifact weights and the llama.cpp GGUF type paired
     with them (activations and KV cache stay fp32 in both)."""
 
@@ -55,10 +55,10 @@ class WeightFormat:
 FORMATS = {
     f.name: f
     for f in (
-        WeightFormat("fp32", "f32"),
-        WeightFormat("bf16", "bf16"),
-        WeightFormat("int8", "q8_0"),
-        WeightFormat("int4", "q4_0"),
+        FormatPair("fp32", "f32"),
+        FormatPair("bf16", "bf16"),
+        FormatPair("int8", "q8_0"),
+        FormatPair("int4", "q4_0"),
     )
 }
 QUANTIZED_ENGINES = ("moe-serve", "llama.cpp")  # the engines that run every format; the rest run fp32 only

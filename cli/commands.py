@@ -223,12 +223,12 @@ def evaluate(args: argparse.Namespace) -> int:
     if not args.models:
         raise ValidationError("name at least one MODEL to evaluate (or --stored)", parameter="models")
     requested = int_list(args.k, "k")
-    formats = _weight_formats(args.compare_weights)
     policies = MoEPolicy.parse_sweep(args.moe) if args.moe else []
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     rows, written = [], {}
     config = from_options(EngineConfig, args)
+    formats = _weight_formats(args.compare_weights, config)
     if args.write_artifact and backend_for(config).opens_onnx_exports:
         raise ValidationError(
             f"--write-artifact writes the artifact's quality.json, but --backend {config.backend} evaluates an "
@@ -265,15 +265,26 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weight_formats(value: str | None) -> list[str]:
-    from moe_serve.quality import WEIGHT_FORMATS
+def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
+    """--compare-weights' formats, refused before anything runs where they cannot."""
+    from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
 
     formats = [f.strip() for f in value.split(",") if f.strip()] if value else []
     for fmt in formats:
-        if fmt not in WEIGHT_FORMATS:
+        if fmt not in PACKED_FORMAT_NAMES:
             raise ValidationError(
-                f"--compare-weights takes {', '.join(WEIGHT_FORMATS)}; got {fmt!r}", parameter="compare_weights"
+                f"--compare-weights takes {', '.join(PACKED_FORMAT_NAMES)}; got {fmt!r}", parameter="compare_weights"
             )
+    if formats and config.weights is not None:
+        raise ValidationError(
+            "--compare-weights compares packed formats with the float weights; drop --weights", parameter="weights"
+        )
+    if formats and (config.backend != "torch" or config.torch_device().type != "cpu"):
+        raise ValidationError(
+            "--compare-weights needs the torch backend on the CPU (packed weights run on the C++ CPU kernels): "
+            "pass --backend torch --device cpu",
+            parameter="compare_weights",
+        )
     return formats
 
 

@@ -11,7 +11,7 @@ from moe_serve.cli.options import add_options, parse_k
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.exporters import FORMATS
 from moe_serve.exporters.dtypes import STORAGE_DTYPES
-from moe_serve.kernels.packed import PACKED_FORMATS
+from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.server.settings import ServerSettings
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _weights_argument(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
         "--weights",
-        choices=[f.value for f in PACKED_FORMATS],
+        choices=PACKED_FORMAT_NAMES,
         required=required,
         default=None,
         help="store the packable weights (experts, attention, dense FFNs, LM head) in this format: bf16, int8 "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ if TYPE_CHECKING:  # the engine imports this module; the artifact names its type
     from moe_serve.config import EngineConfig
     from moe_serve.engine.kv_cache import CacheShape
     from moe_serve.engine.runner import Runner
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "moe-serve"
 FORMAT_VERSION = 1  # what an artifact of float tensors is written as: readable by every runtime
@@ -256,14 +259,18 @@ def check_packed_serving(fmt: WeightFormat, device: torch.device, dtype: torch.d
     """Packed weights are read by the CPU kernels, with float32 activations: refuse anything else by name."""
     if device.type != "cpu":
         raise ArtifactError(
-            f"{fmt.value} weights are read by the CPU kernels; they cannot run on {device.type} (serve the "
-            "float artifact they were quantized from there)"
+            f"{fmt.value} weights are read by the CPU kernels; they cannot run on {device.type} (pass --device cpu, "
+            "or serve the float artifact they were quantized from there)"
         )
     if dtype != torch.float32:
         raise ArtifactError(
             f"{fmt.value} weights run with float32 activations; --dtype "
             f"{STORAGE_DTYPES.get(dtype, dtype)} is refused (use --dtype float32 or auto)"
         )
+    from moe_serve.kernels import cpu_extension
+
+    if cpu_extension() is None:  # correct, but every product dequantizes its whole weight first
+        logger.warning("%s weights without the C++ CPU kernels: every product dequantizes its weight (slow)", fmt.value)
 
 
 def _read_tensors(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_serve.errors import ValidationError
+from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
 from moe_serve.options import option
-from moe_serve.quality import WEIGHT_FORMATS
 from moe_serve.validation import check_int, check_number
 
 BACKENDS = ("torch", "onnxruntime")  # what runs the forward pass: moe_serve.engine.backend
@@ -31,7 +31,7 @@ class EngineConfig:
         None,
         "pack the artifact's float weights as they load: bf16, int8 or int4 (fp16 scale per group of 32), read by the "
         "CPU kernels with float32 activations; an artifact written by `moe-serve quantize` carries its format already",
-        choices=WEIGHT_FORMATS,
+        choices=PACKED_FORMAT_NAMES,
     )
     cuda_graphs: bool = option(
         True,
@@ -130,9 +130,9 @@ class EngineConfig:
                 'target_ttft_ms needs target_itl_ms (the latency target that enables experts_per_token "auto")',
                 parameter="target_ttft_ms",
             )
-        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
+        if self.weights is not None and self.weights not in PACKED_FORMAT_NAMES:
             raise ValidationError(
-                f"weights must be one of {', '.join(WEIGHT_FORMATS)}; got {self.weights!r}", parameter="weights"
+                f"weights must be one of {', '.join(PACKED_FORMAT_NAMES)}; got {self.weights!r}", parameter="weights"
             )
         if self.weights is not None and self.backend != "torch":
             raise ValidationError(

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.errors import ArtifactError
-from moe_serve.kernels.packed import PACKED_FORMATS
+from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
 
 QUALITY_FILE = "quality.json"
 LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity", "kl_from_float"})
-WEIGHT_FORMATS = tuple(f.value for f in PACKED_FORMATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +131,6 @@ def _row(entry: Any, where: str) -> QualityRow:
     if model is not None and not isinstance(model, str):
         raise ArtifactError(f"{where}.model must be a string, got {model!r}")
     weights = entry.get("weights")
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise ArtifactError(f"{where}.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights is not None and weights not in PACKED_FORMAT_NAMES:
+        raise ArtifactError(f"{where}.weights must be one of {', '.join(PACKED_FORMAT_NAMES)}, got {weights!r}")
     return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy, weights)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from moe_serve.artifact import TOKENIZER_FILE, WEIGHTS_FILE, check_checksums, read_manifest, save_artifact, weights_spec
 from moe_serve.errors import ArtifactError
-from moe_serve.kernels.packed import PACKED_FORMATS, WeightFormat
+from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, WeightFormat, packed_format
 from moe_serve.tokenizer import Tokenizer
 
 
@@ -20,13 +20,9 @@ def quantize_artifact(
 ) -> Path:
     """Write DST: SRC with its packable weights stored in `weights` (bf16, int8, int4)."""
     src, dst = Path(src), Path(dst)
-    try:
-        fmt = WeightFormat(weights)
-    except ValueError:
-        fmt = None
-    if fmt not in PACKED_FORMATS:
-        raise ArtifactError(f"--weights must be one of {', '.join(f.value for f in PACKED_FORMATS)}; got {weights!r}")
-    assert fmt is not None
+    fmt = packed_format(weights)
+    if fmt is None:
+        raise ArtifactError(f"--weights must be one of {', '.join(PACKED_FORMAT_NAMES)}; got {weights!r}")
     manifest, config = read_manifest(src)
     spec = weights_spec(manifest, config, src)
     if spec is not None:

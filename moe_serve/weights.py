@@ -20,7 +20,15 @@ import torch
 from torch import nn
 
 from moe_serve.errors import ArtifactError
-from moe_serve.kernels.packed import GROUP_SIZE, PACKED_FORMATS, PackedWeight, WeightFormat, check_packable, quantize
+from moe_serve.kernels.packed import (
+    GROUP_SIZE,
+    PACKED_FORMAT_NAMES,
+    PackedWeight,
+    WeightFormat,
+    check_packable,
+    packed_format,
+    quantize,
+)
 from moe_serve.layers.ffn import linear_shapes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
@@ -45,19 +53,19 @@ class WeightsSpec:
     @classmethod
     def parse(cls, data: Any, config: ModelConfig, where: str) -> WeightsSpec:
         """The section as written, checked against the config: a known packed format, the group size this
-        runtime reads, and only weights the model may hold packed."""
+        runtime reads, no other keys, and exactly the weights this runtime packs in that format (what
+        `pack` writes): a partial list would leave fused projections half packed."""
         if not isinstance(data, dict):
             raise ArtifactError(f'{where}: "{MANIFEST_KEY}" must be an object')
-        formats = ", ".join(f.value for f in PACKED_FORMATS)
-        try:
-            fmt = WeightFormat(str(data.get("format")))
-        except ValueError:
-            raise ArtifactError(
-                f"{where}: weights format must be one of {formats}; got {data.get('format')!r}"
-            ) from None
-        if fmt not in PACKED_FORMATS:
-            raise ArtifactError(f'{where}: weights format must be one of {formats}; got "{fmt.value}"')
-        group = data.get("group_size", GROUP_SIZE if fmt.grouped else None)
+        fmt = packed_format(data.get("format"))
+        if fmt is None:
+            formats = ", ".join(PACKED_FORMAT_NAMES)
+            raise ArtifactError(f"{where}: weights format must be one of {formats}; got {data.get('format')!r}")
+        keys = {"format", "packed", "group_size"} if fmt.grouped else {"format", "packed"}
+        unknown = sorted(set(data) - keys)
+        if unknown:
+            raise ArtifactError(f"{where}: the weights section has no field {unknown[0]!r} for {fmt.value} weights")
+        group = data.get("group_size", GROUP_SIZE)
         if fmt.grouped and group != GROUP_SIZE:
             raise ArtifactError(
                 f"{where}: weights group_size {group!r} is not supported; this runtime reads {GROUP_SIZE}"
@@ -66,11 +74,20 @@ class WeightsSpec:
         if not (isinstance(packed, list) and all(isinstance(n, str) for n in packed)):
             raise ArtifactError(f'{where}: weights "packed" must be a list of tensor names')
         allowed = packable_weights(config, fmt)
-        for name in packed:
+        for i, name in enumerate(packed):
             if name not in allowed:
                 raise ArtifactError(
                     f"{where}: weight '{name}' cannot be stored as {fmt.value} (not a packable weight of this model)"
                 )
+            if name in packed[:i]:
+                raise ArtifactError(f"{where}: weights \"packed\" lists '{name}' twice")
+        missing = [name for name in allowed if name not in packed]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ArtifactError(
+                f"{where}: weights \"packed\" must list every packable weight of this model; '{missing[0]}' is "
+                f"missing{more}"
+            )
         return cls(fmt, tuple(packed), GROUP_SIZE)
 
 

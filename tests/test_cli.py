@@ -180,3 +180,21 @@ def test_eval_stored_prints_each_recipes_mean_and_std_over_seeds(run, tmp_path) 
     assert refused.returncode == 2 and "carries no figures over training seeds" in refused.stderr
     nothing = run("eval", check=False)
     assert nothing.returncode == 2 and "name at least one MODEL" in nothing.stderr
+
+
+@pytest.mark.slow
+def test_eval_compares_weight_formats_with_kl_from_the_floats(run, tmp_path) -> None:
+    """--compare-weights: each format's bits per byte at each k beside the floats', and its KL from them (bf16
+    of bf16-stored weights holds the same values: only the order of additions differs, as the C++ kernel
+    takes bf16 weights at every row count where fp32 ones go to MKL above 64; int4 moves the distributions
+    more than int8)."""
+    args = ["eval", "shakespeare-smoe", "--k", "1,2", "--max-items", "4", "--output-dir", str(tmp_path), "--json"]
+    out = json.loads(run(*args, "--compare-weights", "bf16,int8,int4").stdout)
+    rows = {(r.get("weights"), r["k"], r["metric"]): r["value"] for r in out["results"]}
+    for k in (1, 2):
+        assert rows[("bf16", k, "bits_per_byte")] == pytest.approx(rows[(None, k, "bits_per_byte")], rel=1e-6)
+        assert abs(rows[("bf16", k, "kl_from_float")]) < 1e-6
+        assert 0 < rows[("int8", k, "kl_from_float")] < rows[("int4", k, "kl_from_float")]
+    assert "int4,shakespeare" in (tmp_path / "quality.csv").read_text()
+    refused = run(*args, "--compare-weights", "int3", check=False)
+    assert refused.returncode == 2 and "--compare-weights takes bf16, int8, int4; got 'int3'" in refused.stderr

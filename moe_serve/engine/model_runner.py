@@ -20,7 +20,7 @@ from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.models import MoETransformer
-from moe_serve.models.decode_stack import decode_stack_for
+from moe_serve.models.decode_stack import DecodeStack, decode_stack_for
 from moe_serve.moe_policy import KSpec
 
 
@@ -41,8 +41,9 @@ class TorchRunner:
         self.decode_graphs: DecodeGraphs | None = decode_graphs_for(
             model, self.cache, engine_config.max_num_seqs, device, engine_config.cuda_graphs
         )
-        # On the CPU, the layers of decode-only steps in one C++ call, where it applies (models.decode_stack).
-        model.decode_stack = decode_stack_for(model, self.cache, engine_config.cpu_decode_stack)
+        # On the CPU, the layers of decode-only steps in one C++ call, where it applies (models.decode_stack):
+        # the runner owns it (it holds the runner's cache) and hands it to the model in each step's batch.
+        self.decode_stack: DecodeStack | None = decode_stack_for(model, self.cache, engine_config.cpu_decode_stack)
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         if self.decode_graphs is not None and self.decode_graphs.accepts(output):
@@ -135,7 +136,10 @@ class TorchRunner:
                 experts_used=torch.zeros(self.config.num_layers, len(specs), dtype=torch.int64, device=device),
             )
         token_k = tokens([spec.k for spec in specs], torch.int64)
-        return ForwardBatch(attention, token_k, max(spec.k for spec in specs), caches, states, block_size, adaptive)
+        max_k = max(spec.k for spec in specs)
+        return ForwardBatch(
+            attention, token_k, max_k, caches, states, block_size, adaptive, decode_stack=self.decode_stack
+        )
 
     def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int] | None]]:
         """Tokens each scheduled sequence computed in this step and, when a top-p policy ran, the experts
@@ -183,6 +187,8 @@ class TorchRunner:
 
     def track_expert_load(self) -> None:
         self.model.track_expert_load()
+        if self.decode_stack is not None:
+            self.decode_stack.track_expert_load()  # it counts into the counters the layers just got
         if self.decode_graphs is not None and self.decode_graphs.capture:
             self.decode_graphs.capture_all()  # the graphs hold the counters they were captured with
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.errors import ArtifactError
+
 GROUP_SIZE = 32  # values along K that share a scale (int8, int4)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -38,16 +40,18 @@ class WeightFormat(enum.StrEnum):
     def grouped(self) -> bool:
         return self in (WeightFormat.INT8, WeightFormat.INT4)
 
-    @property
-    def bits(self) -> float:
-        """Bits per weight read by a kernel, scales included."""
-        return {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5}[self.value]
-
 
 PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
 
 
-class PackError(ValueError):
+def packed_format(name: object) -> WeightFormat | None:
+    """The packed format of this name, or None (each caller refuses it in its own error type, naming
+    PACKED_FORMAT_NAMES)."""
+    return WeightFormat(name) if name in PACKED_FORMAT_NAMES else None
+
+
+class PackError(ArtifactError):
     """A tensor that cannot be stored in the requested format (its message names why)."""
 
 
@@ -59,10 +63,6 @@ class PackedWeight:
     data: torch.Tensor  # bf16 [.., N, K] | int8 [.., N, K] | uint8 [.., N, K / 2]
     scales: torch.Tensor | None  # fp16 [.., N, K / GROUP_SIZE] for int8 and int4; None for bf16
     shape: tuple[int, ...]  # the logical shape [.., N, K]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
 
     @property
     def device(self) -> torch.device:
@@ -102,11 +102,6 @@ class PackedWeight:
             return {name: self.data}
         assert self.scales is not None
         return {f"{name}.qdata": self.data, f"{name}.scales": self.scales}
-
-
-def stored_names(name: str, fmt: WeightFormat) -> tuple[str, ...]:
-    """The artifact's tensor names for weight `name` stored in `fmt`."""
-    return (f"{name}.qdata", f"{name}.scales") if fmt.grouped else (name,)
 
 
 def packed_shapes(shape: tuple[int, ...], fmt: WeightFormat) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

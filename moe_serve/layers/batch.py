@@ -5,6 +5,7 @@ and the caches. Built once per step by the runner (or the export), read by every
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,11 +38,14 @@ class ForwardBatch:
     row_k: torch.Tensor | None = None
     # When a list: each MoE layer appends its tokens per expert [N] int64 (the ONNX graph's expert_counts).
     expert_counts: list[torch.Tensor] | None = None
+    # The runner's models.decode_stack.DecodeStack: the model runs the step's layers through it when it accepts
+    # the batch (a decode-only CPU step), else layer by layer.
+    decode_stack: Any = None
 
     @classmethod
     def whole_sequences(cls, lengths: list[int], ks: list[int], device: torch.device | str = "cpu") -> ForwardBatch:
-        """Whole sequences packed one after another, no cache, sequence s at k ks[s]: what the runner builds
-        for a bidirectional or first-chunk step, and what a reference forward outside the engine runs."""
+        """Whole sequences packed one after another, no cache, sequence s at k ks[s] (a reference forward
+        outside the engine: evaluation.divergence, the tests)."""
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

@@ -43,8 +43,10 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
         return "it runs pre-norm RMSNorm layers with rotary or learned positions"
     for layer in model.decoder_layers:
         attn = layer.attn
-        if not isinstance(attn, Attention) or attn.qk_norm is not None or attn.qkv_clip is not None:
-            return "it runs attention without q/k norms or clipping"
+        if type(attn) is not Attention or not attn.is_causal or attn.qk_norm is not None or attn.qkv_clip is not None:
+            return "it runs moe-serve's causal attention without q/k norms or clipping"
+        if attn._qkv is None or attn._o is None or (config.position == "rotary" and attn._rotary is None):
+            return "the model is not prepared (MoETransformer.prepare)"
         if not layer.is_moe:
             return "every layer must be an MoE layer"
         moe = layer.moe
@@ -53,6 +55,8 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
             return f"router kind {kind.kind} reads more than its logits"
         if moe.config.shared_expert is not None or moe.config.hyper_expert is not None or moe.local_experts:
             return "it runs the routed experts only (no shared expert, adapters or expert parallelism)"
+        if moe._router is None or moe._bank is None:
+            return "the model is not prepared (MoETransformer.prepare)"
         if moe.input_norm is not None or not isinstance(layer.attn_norm, RMSNorm):
             return "it runs RMSNorm before attention and experts only"
     return None
@@ -81,9 +85,9 @@ class DecodeStack:
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, moe = layer.attn, layer.moe
-            assert attn._qkv is not None and attn._o is not None and moe._router is not None
+            assert attn._qkv is not None and attn._o is not None and moe._router is not None and moe._bank is not None
             self._rotary = attn._rotary
-            bank = moe._bank or moe.experts.weights()
+            bank = moe._bank
             k_cache, v_cache = self.caches[index]
             self._stack.add_layer(
                 layer.attn_norm.weight,
@@ -125,9 +129,11 @@ class DecodeStack:
         return (
             isinstance(attention, AttentionBatch)
             and batch.kv_caches is self.caches
+            and attention.block_tables is not None
+            and attention.slot_mapping is not None
             and batch.adaptive_k is None
             and batch.expert_counts is None
-            and len(attention.seq_lens) == attention.positions.shape[0]  # one token per sequence
+            and max(attention.seq_lens) == 1  # one token per sequence
         )
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

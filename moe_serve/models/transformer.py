@@ -8,7 +8,7 @@ Legend: T tokens of the step, S sequences, D hidden, V vocabulary, C classes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -20,9 +20,6 @@ from moe_serve.layers.ffn import FFN
 from moe_serve.layers.moe import MoEBlock
 from moe_serve.layers.norm import make_norm
 from moe_serve.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from moe_serve.models.decode_stack import DecodeStack
 
 
 class DecoderLayer(nn.Module):
@@ -74,9 +71,6 @@ class MoETransformer(nn.Module):
         if config.position == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
-        # Runs the layers of decode-only steps in one C++ call where it applies (models.decode_stack); set by
-        # the engine's runner, which owns the cache it writes.
-        self.decode_stack: DecodeStack | None = None
         if config.final_norm:
             self.norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         if config.task == "causal_lm":
@@ -107,8 +101,8 @@ class MoETransformer(nn.Module):
         h = self.embed(input_ids)
         if self.config.position == "learned":
             h = h + self.embed_positions(batch.attention.positions)
-        if self.decode_stack is not None and self.decode_stack.accepts(batch):
-            h = self.decode_stack(h, batch)
+        if batch.decode_stack is not None and batch.decode_stack.accepts(batch):  # models.decode_stack
+            h = batch.decode_stack(h, batch)
         else:
             for layer in self.layers:
                 h = layer(h, batch)
@@ -128,8 +122,6 @@ class MoETransformer(nn.Module):
                 layer.moe.expert_load = torch.zeros(
                     layer.moe.config.num_experts, dtype=torch.int64, device=self.embed_tokens.weight.device
                 )
-        if self.decode_stack is not None:
-            self.decode_stack.track_expert_load()
 
     def read_expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert per MoE layer since the last read; resets the counts."""

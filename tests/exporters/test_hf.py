@@ -175,3 +175,19 @@ def test_cli_exports_and_inspect_reports(tmp_path: Path, capsys) -> None:
     assert summary["moe"]["experts_per_token"] == {"default": 4, "min": 1, "max": NUM_EXPERTS}
     assert summary["provenance"]["source_architecture"] == "Qwen2MoeForCausalLM"
     assert summary["moe"]["shared_expert"] == "glu x80 (sigmoid-gated)"
+
+
+def test_export_packs_weights_on_request_and_inspect_names_the_format(tmp_path: Path, capsys) -> None:
+    """`export hf --weights int8` writes a version-2 artifact of int8 weights; inspect names the format."""
+    from moe_serve.cli import main
+
+    src = save_hf_model("mixtral", tmp_path / "hf")
+    dst = tmp_path / "artifact"
+    assert main(["export", "hf", str(src), str(dst), "--weights", "int8", "--quiet"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["inspect", str(dst), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format_version"] == 2 and summary["weights"]["format"] == "int8"
+    assert summary["weights"]["packed"] > 0
+    assert main(["inspect", str(dst)]) == 0
+    assert "int8 weights" in capsys.readouterr().out

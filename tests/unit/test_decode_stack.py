@@ -13,6 +13,7 @@ import torch
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.kv_cache import KVCache, cache_shape
 from moe_serve.kernels import cpu_extension
+from moe_serve.layers.routers import router_config
 from moe_serve.model_config import FFNConfig
 from moe_serve.models.decode_stack import unsupported_reason
 from moe_serve.testing import create_random_artifact
@@ -31,41 +32,75 @@ def mixtral_like(**overrides):
     return dataclasses.replace(base, **overrides)
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_random_artifact(tmp_path_factory.mktemp("stack") / "model", mixtral_like(), seed=5)
+CONFIGS = {
+    "mixtral": mixtral_like(),
+    # Every bias, plain MLP experts with ReLU, uniform weights, learned positions and a scaled embedding.
+    "biases-mlp-uniform-learned": mixtral_like(
+        attention_bias=True,
+        attention_out_bias=True,
+        position="learned",
+        embedding_scale=2.0,
+        moe=moe_config(
+            layers=(0, 1, 2),
+            expert=FFNConfig("mlp", 64, "relu", use_bias=True),
+            router=router_config("topk_uniform", use_bias=True),
+        ),
+    ),
+    # Full-softmax weights (normalize: false) and GELU-tanh GLU experts.
+    "softmax-all-gelu": mixtral_like(
+        moe=moe_config(
+            layers=(0, 1, 2),
+            expert=FFNConfig("glu", 64, "gelu_tanh"),
+            router=router_config("topk_softmax", normalize=False),
+        )
+    ),
+}
 
 
-def _run(path: Path, stack: bool, weights: str | None) -> tuple[list, dict]:
+def _run(path: Path, stack: bool, weights: str | None, policy: bool = False) -> tuple[list, dict, list]:
     llm = LLM(path, EngineConfig(cpu_decode_stack=stack, weights=weights))
-    model = llm.artifact.model  # type: ignore[attr-defined]
-    assert (model.decode_stack is not None) == stack
-    used = []
+    runner = llm.engine.runner
+    assert (runner.decode_stack is not None) == stack
+    used: list[int] = []
     if stack:  # count the steps the stack ran, so the test proves it ran
-        original = model.decode_stack.__call__.__func__
+        original = runner.decode_stack.__call__.__func__
 
-        class Counting(type(model.decode_stack)):  # type: ignore[misc]
+        class Counting(type(runner.decode_stack)):  # type: ignore[misc]
             def __call__(self, h, batch):
                 used.append(h.shape[0])
                 return original(self, h, batch)
 
-        model.decode_stack.__class__ = Counting
-    llm.engine.runner.track_expert_load()
+        runner.decode_stack.__class__ = Counting
+    runner.track_expert_load()
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, experts_per_token=k) for k in (1, 2, 4, 3)]
+    if policy:  # a top-p request in the batch: its steps run the Python layers
+        params[0] = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, moe={"policy": "top_p", "p": 0.7})
     outputs = llm.generate(PROMPTS, params)  # one batch, mixed k
-    if stack:
-        assert used and max(used) == len(PROMPTS)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs) for o in outputs], (
-        llm.engine.runner.read_expert_load()
-    )
+    tokens = [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs) for o in outputs]
+    return tokens, runner.read_expert_load(), used
 
 
 @pytest.mark.parametrize("weights", [None, "bf16", "int8", "int4"])
-def test_the_stack_equals_the_python_layers_bitwise_in_mixed_k_batches(artifact: Path, weights: str | None) -> None:
-    python, python_load = _run(artifact, False, weights)
-    stack, stack_load = _run(artifact, True, weights)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_stack_equals_the_python_layers_bitwise_in_mixed_k_batches(
+    tmp_path: Path, name: str, weights: str | None
+) -> None:
+    if weights in ("bf16", "int8") and name != "mixtral":
+        pytest.skip("every format on one config, every config in fp32 and int4")
+    path = create_random_artifact(tmp_path / name, CONFIGS[name], seed=5)
+    python, python_load, _ = _run(path, False, weights)
+    stack, stack_load, used = _run(path, True, weights)
+    assert used and max(used) == len(PROMPTS)
     assert stack == python
     assert stack_load == python_load and sum(python_load[0]) > 0
+
+
+def test_a_top_p_step_runs_the_python_layers(tmp_path: Path) -> None:
+    path = create_random_artifact(tmp_path / "model", mixtral_like(), seed=5)
+    python, _, _ = _run(path, False, None, policy=True)
+    stack, _, used = _run(path, True, None, policy=True)
+    assert stack == python
+    assert used and max(used) == len(PROMPTS) - 1  # only the steps after the top-p request finished
 
 
 def _cache(config) -> KVCache:

@@ -158,13 +158,16 @@ ROUTER = "layers.1.moe.router.weight"
         (lambda m: m["weights"]["packed"].append(ROUTER), f"weight '{ROUTER}' cannot be stored as int8"),
         (lambda m: m.__setitem__("format_version", 1), '"weights" needs format_version 2'),
         (_weights_entry("packed", "all"), 'weights "packed" must be a list of tensor names'),
+        (lambda m: m["weights"]["packed"].pop(), 'weights "packed" must list every packable weight of this model'),
+        (lambda m: m["weights"]["packed"].append(m["weights"]["packed"][0]), "lists '.*' twice"),
+        (_weights_entry("scale_dtype", "f32"), "the weights section has no field 'scale_dtype' for int8 weights"),
     ],
-    ids=["format", "group", "router", "version", "packed"],
+    ids=["format", "group", "router", "version", "packed", "partial", "twice", "unknown"],
 )
 def test_a_bad_weights_section_is_refused_by_name(tmp_path: Path, float_artifact: Path, edit, message: str) -> None:
     out = quantize_artifact(float_artifact, tmp_path / "int8", "int8", progress=False)
     edit_config(out, edit)
-    with pytest.raises(ArtifactError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ArtifactError, match=message):
         load_artifact(out, verify_checksums=False)
 
 
@@ -222,3 +225,31 @@ def test_the_onnx_export_refuses_packed_weights(tmp_path: Path, float_artifact: 
     out = quantize_artifact(float_artifact, tmp_path / "int8", "int8", progress=False)
     with pytest.raises(ExportError, match="stores int8 weights .* the ONNX export takes artifacts of float weights"):
         export_onnx(out, tmp_path / "onnx", verify=False)
+
+
+def test_weights_that_cannot_be_packed_are_refused_by_name(tmp_path: Path, capsys) -> None:
+    from moe_serve.cli import main
+
+    config = lm_config()
+    state = random_state_dict(config)
+    state["lm_head.weight"][3, 5] = float("nan")
+    src = save_artifact(tmp_path / "float", config, state, Tokenizer(byte_level_tokenizer()))
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--weights", "int8", "--quiet"]) == 2
+    assert "'lm_head.weight' holds NaN or infinite values" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_quantized_classifier_classifies_as_the_float_model_of_its_dequantized_weights(tmp_path: Path) -> None:
+    config = classifier_config(hidden_size=64)
+    state = random_state_dict(config, seed=4)
+    tokenizer = Tokenizer(byte_level_tokenizer())
+    src = save_artifact(tmp_path / "float", config, state, tokenizer)
+    texts = ["Exit, pursued by a bear.", "Now is the winter of our discontent"]
+    for fmt in FORMATS:
+        packed = quantize_artifact(src, tmp_path / fmt, fmt, progress=False)
+        reference = dict(state)
+        for name in load_artifact(packed).weights.packed:  # type: ignore[union-attr]
+            reference[name] = quantize(state[name], WeightFormat(fmt)).dequantize()
+        want = LLM(save_artifact(tmp_path / f"{fmt}-dequantized", config, reference, tokenizer)).classify(texts)
+        for got, expected in zip(LLM(packed).classify(texts), want, strict=True):
+            assert got.probs == pytest.approx(expected.probs, abs=1e-5)

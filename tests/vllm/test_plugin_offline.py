@@ -157,3 +157,11 @@ def test_what_vllm_cannot_run_is_refused_at_load_by_name(tmp_path, overrides, na
 def test_pooling_runner_is_refused_by_name(plugin_artifact) -> None:
     with pytest.raises(Exception, match="--runner pooling"):
         LLM(str(plugin_artifact), runner="pooling", dtype="float32", enforce_eager=True, max_model_len=256)
+
+
+def test_a_quantized_artifact_is_refused_by_name(tmp_path, plugin_artifact) -> None:
+    from moe_serve.quantize import quantize_artifact
+
+    packed = quantize_artifact(plugin_artifact, tmp_path / "int8", "int8", progress=False)
+    with pytest.raises(Exception, match="stores int8 weights .* the vLLM plugin takes artifacts of float weights"):
+        LLM(str(packed), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)

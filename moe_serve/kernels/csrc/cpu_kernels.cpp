@@ -1143,8 +1143,14 @@ class DecodeStack {
   // The expert-load counters of each layer ([N] int64; None: not tracked), updated in place by run.
   void set_expert_load(const std::vector<c10::optional<torch::Tensor>>& loads) {
     TORCH_CHECK(loads.size() == layers_.size(), "DecodeStack: one expert-load entry per layer");
-    for (size_t i = 0; i < loads.size(); ++i)
-      layers_[i].expert_load = loads[i].has_value() && loads[i]->defined() ? *loads[i] : torch::Tensor();
+    for (size_t i = 0; i < loads.size(); ++i) {
+      torch::Tensor load = loads[i].has_value() && loads[i]->defined() ? *loads[i] : torch::Tensor();
+      if (load.defined())
+        TORCH_CHECK(load.scalar_type() == at::kLong && load.is_contiguous() && load.device().is_cpu() &&
+                        load.numel() == layers_[i].w1.data.size(0),
+                    "DecodeStack: expert load must be a contiguous CPU int64 [", layers_[i].w1.data.size(0), "]");
+      layers_[i].expert_load = load;
+    }
   }
 
   // h [T, D] after the embeddings -> after the last layer. One token per sequence (a decode step).
@@ -1205,7 +1211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_expert_load", &DecodeStack::set_expert_load)
-      .def("run", &DecodeStack::run)
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("num_layers", &DecodeStack::num_layers);
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
