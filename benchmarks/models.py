@@ -64,6 +64,16 @@ class BenchModel:
         kv = 2 * c["num_key_value_heads"] * head_dim * context
         return bytes_per_value * (layers * (per_layer + kv) + c["vocab_size"] * d + d)  # + lm head, final norm
 
+    def packed_decode_bytes(self, k: int, bits: float, context: int = 96) -> float:
+        """decode_bytes with the packable weights (attention, the k experts, the LM head: moe_serve.weights) at
+        `bits` per weight, scales included; the router, norms and the fp32 KV cache as they are."""
+        c = self.config
+        d, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        head_dim = d // c["num_attention_heads"]
+        packable = layers * (d * d * 2 + 2 * d * c["num_key_value_heads"] * head_dim + k * 3 * d * i)
+        packable += c["vocab_size"] * d
+        return self.decode_bytes(k, context) - 4 * packable + bits / 8 * packable
+
 
 def build(name: str, cache: Path) -> BenchModel:
     """The preset's checkpoint and artifact under cache/ (built once; seed 0)."""
