@@ -110,6 +110,7 @@ def test_a_quantized_artifact_serves_like_its_float_weights_packed_at_load(
             assert x.outputs[0].logprobs == y.outputs[0].logprobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_logits_match_a_float_model_of_the_dequantized_weights(tmp_path: Path, fmt: str) -> None:
     """What the kernels compute with packed weights is what the float model of their dequantized values computes
@@ -239,6 +240,7 @@ def test_weights_that_cannot_be_packed_are_refused_by_name(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_quantized_classifier_classifies_as_the_float_model_of_its_dequantized_weights(tmp_path: Path) -> None:
     config = classifier_config(hidden_size=64)
     state = random_state_dict(config, seed=4)

@@ -114,6 +114,7 @@ def test_the_build_is_the_isa_asked_for(ext: ModuleType) -> None:
     assert ext.weight_formats() == [f.value for f in WeightFormat]  # one table of names, C++ and Python
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     kernels.target_isa() != "avx512" or os.environ.get("MOE_SERVE_KERNEL_ISA") == "avx2",
     reason="the native build is the AVX2 one",
