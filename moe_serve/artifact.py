@@ -280,7 +280,8 @@ def _read_tensors(
     F16 or BF16, packed weights (spec) with the dtypes their format stores. -> (float tensors, packed)."""
     tensors: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
-    layouts = packed_layouts(config, spec)
+    logical = expected_tensors(config) if spec is not None else {}
+    layouts = packed_layouts(logical, spec)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
@@ -306,8 +307,7 @@ def _read_tensors(
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
                 tensors[name] = hugepages.place(tensor, storage_dtype(name, dtype), device)  # one copy
             if spec is not None:
-                shapes_of = expected_tensors(config)
-                packed = {w: from_stored(spec.format, p, shapes_of[w]) for w, p in parts.items()}
+                packed = {w: from_stored(spec.format, p, logical[w]) for w, p in parts.items()}
     except ArtifactError:
         raise
     except Exception as exc:  # safetensors raises its own errors for corrupt or truncated files
@@ -324,11 +324,13 @@ def _check_packed_values(name: str, tensor: torch.Tensor, fmt: WeightFormat, pat
         raise ArtifactError(f"tensor '{name}' in {path.name} holds -128; int8 weights lie in [-127, 127]")
 
 
-def packed_layouts(config: ModelConfig, spec: WeightsSpec | None) -> dict[str, tuple[str, str, torch.dtype]]:
-    """Stored name -> (weight name, suffix, dtype) of every tensor the spec's packed weights store."""
+def packed_layouts(
+    shapes: dict[str, tuple[int, ...]], spec: WeightsSpec | None
+) -> dict[str, tuple[str, str, torch.dtype]]:
+    """Stored name -> (weight name, suffix, dtype) of every tensor the spec's packed weights store (shapes:
+    the weights' logical shapes, expected_tensors)."""
     if spec is None:
         return {}
-    shapes = expected_tensors(config)
     return {
         f"{weight}{suffix}": (weight, suffix, layout_dtype)
         for weight in spec.packed

@@ -110,8 +110,6 @@ def packed_shapes(shape: tuple[int, ...], fmt: WeightFormat) -> dict[str, tuple[
     *lead, k = shape
     if fmt is WeightFormat.BF16:
         return {"": (tuple(shape), torch.bfloat16)}
-    if fmt is WeightFormat.FP32:
-        return {"": (tuple(shape), torch.float32)}
     groups = k // GROUP_SIZE
     data = ((*lead, k), torch.int8) if fmt is WeightFormat.INT8 else ((*lead, k // 2), torch.uint8)
     return {".qdata": data, ".scales": ((*lead, groups), torch.float16)}
