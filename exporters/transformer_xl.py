@@ -47,7 +47,8 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
             num_experts=ckpt.hyper("num_experts"),
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
-            router=router_config("hyper_expert", normalize=False),  # Switch: p_e, not renormalised
+            # Switch (k = 1): p_e, not renormalised; the GPT-2 code (k > 1) renormalises over the chosen
+            router=router_config("hyper_expert", normalize=k > 1),
             experts_per_token=ExpertsPerToken(default=k, min=k, max=k),
             hyper_expert=FFNConfig("adapter", ckpt.hyper("adapter_dim"), "relu", use_bias=True),
         )

@@ -227,10 +227,12 @@ class ParameterGenerator(nn.Module):
 
 class HyperMoEPositionwiseFF(nn.Module):
     """HyperMoE's MoE layer, as released: Switch routing (p = softmax(W_g x) in fp32, no bias, the top-k by
-    probability weighted by p, not renormalised), and per token one HyperExpert generated from the SUM of
-    the unselected experts' embeddings: u -> z = embedding_process(u) -> (D, b_D, U, b_U) -> ReLU(x D + b_D)
-    U + b_U, added ungated. Training-only parts of the release (router jitter, expert capacity) are left
-    out: the served model is dropless and deterministic (recorded as deviations in the artifact)."""
+    probability weighted by p: at k = 1 not renormalised, as the Switch code; at k > 1 renormalised over
+    the chosen, as the GPT-2 code's `noisy_top_k_gating_mixing`: top_k / sum(top_k)), and per token one
+    HyperExpert generated from the SUM of the unselected experts' embeddings: u -> z = embedding_process(u)
+    -> (D, b_D, U, b_U) -> ReLU(x D + b_D) U + b_U, added ungated. Training-only parts of the release
+    (router jitter, expert capacity) are left out: the served model is dropless and deterministic
+    (recorded as deviations in the artifact)."""
 
     def __init__(self, cfg: TXLConfig, index: int, generator: ParameterGenerator) -> None:
         super().__init__()
@@ -260,7 +262,9 @@ class HyperMoEPositionwiseFF(nn.Module):
         x = inp.reshape(-1, inp.size(-1))
         probs = self.routing_distribution(inp)
         values, indices = torch.topk(probs, self.top_k, dim=-1)
-        weights = torch.zeros_like(probs).scatter(1, indices, values)  # [T, N], not renormalised
+        if self.top_k > 1:
+            values = values / values.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(probs).scatter(1, indices, values)  # [T, N]
         out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
         out = out + self.hyper_expert(x, indices)
         return self.layer_norm(inp + self.drop(out.view_as(inp)))

@@ -225,6 +225,7 @@ def test_hypermoe_fold_matches_the_released_per_token_generation_on_a_padded_bat
     model, ckpt = make_lm(tmp_path, "hypermoe", top_k_min=k, top_k_max=k)
     llm = LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact"))
     assert llm.artifact.model.layers[0].moe.hyper.num_experts == math.comb(TXL["num_experts"], k)
+    assert llm.config.moe.router.normalize is (k > 1)  # Switch code at k = 1, GPT-2 code above
     generator = torch.Generator().manual_seed(5)
     sequences = [torch.randint(0, 257, (n,), generator=generator).tolist() for n in (40, 17, 3)]
     for tokens, actual in zip(sequences, _hypermoe_logits(llm, sequences), strict=True):
@@ -271,6 +272,20 @@ def test_hypermoe_negative_controls_fail_the_fold(tmp_path: Path, monkeypatch) -
     monkeypatch.setattr(transformer_xl, "embedding_weights", released)
     (actual,) = _hypermoe_logits(LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "artifact")), sequences)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_hypermoe_at_k2_without_the_released_renormalisation_fails_the_fold(tmp_path: Path, monkeypatch) -> None:
+    """At k > 1 the released (GPT-2) code divides the chosen probabilities by their sum: an export that
+    weights them by p alone, as the Switch code does at k = 1, gives other logits."""
+    model, ckpt = make_lm(tmp_path, "hypermoe", top_k_min=2, top_k_max=2)
+    sequences = [torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(8)).tolist()]
+    with torch.no_grad():
+        expected = model(torch.tensor(sequences))[0]
+    released = transformer_xl.router_config
+    switch = lambda kind, **kw: released(kind, **{**kw, "normalize": False})  # noqa: E731
+    monkeypatch.setattr(transformer_xl, "router_config", switch)
+    (actual,) = _hypermoe_logits(LLM(transformer_xl.export("hypermoe", ckpt, tmp_path / "switch")), sequences)
+    assert (actual - expected).abs().max() > 1e-3
 
 
 def test_hypermoe_serves_only_its_trained_k(tmp_path: Path) -> None:

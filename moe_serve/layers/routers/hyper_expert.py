@@ -1,6 +1,7 @@
 """`hyper_expert`: HyperMoE (Zhao et al. 2024; method card hypermoe.md §8, binding). Routing is top-k by
-router logit, weighted as `topk_softmax` with the checkpoint's normalisation (Switch: the chosen expert's
-full-softmax probability, not renormalised); the MoE block then adds, ungated, the HyperExpert adapter of
+router logit, weighted as `topk_softmax` with the checkpoint's normalisation (the released code: Switch at
+k = 1, the chosen expert's full-softmax probability, not renormalised; GPT-2 at k > 1, the chosen
+probabilities renormalised to sum to 1); the MoE block then adds, ungated, the HyperExpert adapter of
 the token's selected set (MoEConfig.hyper_expert, precomputed by the exporter from the hypernetwork).
 Only the trained k is served: the adapters are keyed by the selected set of that k (the config enforces it).
 """
