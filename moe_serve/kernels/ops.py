@@ -351,14 +351,24 @@ def attention(
     causal: bool,
     scale: float,
     relative: RelativeTerm | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh]."""
+    """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh].
+
+    window: a causal sliding window, each query seeing its last `window` keys (itself included). sinks [H]:
+    a learned logit per query head in the softmax's denominator, with no value (gpt-oss)."""
     if isinstance(batch, PaddedBatch):
         assert not isinstance(cache, tuple)
+        if window is not None or sinks is not None:  # models with either are refused before a graph is built
+            raise NotImplementedError("padded-graph attention has no sliding windows or attention sinks")
         return graph.attention(q, k, v, batch, cache, causal, scale, relative)
     assert not isinstance(cache, GraphCache)
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal attention")
     ext = _cpu_ext(q)
     rel = (relative.q_rel, relative.r_kt, relative.offset) if relative is not None else (None, None, 0)
+    shape = (window or 0, sinks)
     if ext is not None and (cache is None or (cache[0].dtype == torch.float32 and cache[0].shape[-1] % 16 == 0)):
         if cache is not None:
             return ext.paged_attention(
@@ -372,11 +382,14 @@ def attention(
                 causal,
                 scale,
                 *rel,
+                *shape,
             )
         return ext.packed_attention(
-            q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale, *rel
+            q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale, *rel, *shape
         )
     gpu = _cuda_kernels(q)
+    if window is not None or sinks is not None:  # the GPU kernels have neither: the torch path below
+        gpu = None
     if gpu is not None and relative is None:  # Transformer-XL's positional term: the torch path below
         if cache is not None:
             assert batch.block_tables is not None
@@ -395,7 +408,7 @@ def attention(
         return gpu.attention.packed_attention(
             q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale
         )
-    return attention_torch(q, k, v, batch, cache, causal, scale, relative)
+    return attention_torch(q, k, v, batch, cache, causal, scale, relative, window, sinks)
 
 
 def attention_torch(
@@ -407,8 +420,11 @@ def attention_torch(
     causal: bool,
     scale: float,
     relative: RelativeTerm | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence at a time: gather its keys (from its blocks, or its own rows), mask by position, SDPA."""
+    """One sequence at a time: gather its keys (from its blocks, or its own rows), mask by position, SDPA
+    (with sinks, the softmax written out: SDPA has no extra denominator term)."""
     out = torch.empty_like(q)
     start = 0
     for s, n in enumerate(batch.seq_lens):
@@ -421,19 +437,28 @@ def attention_torch(
         else:
             keys, values = gather_sequence(cache, batch.block_tables[s], num_keys)  # type: ignore[index]
         query_pos = batch.positions[rows]  # [n]
-        key_pos = torch.arange(num_keys, device=q.device)
+        lo = 0
+        if window is not None:  # keys before every query's window are not read (their blocks may be gone)
+            lo = max(0, int(query_pos.min()) - window + 1)
+            keys, values = keys[lo:], values[lo:]
+        key_pos = torch.arange(lo, num_keys, device=q.device)
         allowed = (
             key_pos[None, :] <= query_pos[:, None]
             if causal
             else torch.ones(n, num_keys, dtype=torch.bool, device=q.device)
         )
-        mask = torch.zeros(n, num_keys, device=q.device, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
+        if window is not None:
+            allowed &= key_pos[None, :] > query_pos[:, None] - window
+        mask = torch.zeros(allowed.shape, device=q.device, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
         qs = q[rows].transpose(0, 1)  # [H, n, Dh]
         if relative is not None:
             distance = query_pos[:, None] - key_pos[None, :] + relative.offset  # [n, S_k]
             r_rows = relative.r_k[distance.clamp(0, relative.r_k.shape[0] - 1)]  # [n, S_k, H, Dh]
             positional = torch.einsum("nhd,nshd->hns", relative.q_rel[rows].float(), r_rows.float())
             mask = mask[None] + positional * scale  # [H, n, S_k]
+        if sinks is not None:
+            out[rows] = _attention_with_sinks(qs, keys, values, mask, scale, sinks).transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             qs,
             keys.transpose(0, 1).to(q.dtype),
@@ -444,6 +469,21 @@ def attention_torch(
         )
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _attention_with_sinks(
+    qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """qs [H, n, Dh], keys/values [S_k, G, Dh], mask [n, S_k] -> [H, n, Dh]: softmax over the scores and, per
+    head, the sink logit (not scaled; it weights no value), in fp32."""
+    h = qs.shape[0]
+    group = h // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S_k, Dh]
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qs.float(), k.transpose(1, 2)) * scale + mask  # [H, n, S_k]
+    sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).to(qs.dtype)
 
 
 def gather_sequence(

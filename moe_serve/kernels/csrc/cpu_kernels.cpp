@@ -13,7 +13,9 @@
 //   rms_norm       one pass per row.
 //   rotary_write   rotary embedding of q and k in place, and the keys and values written to the cache.
 //   paged_attention  decode/prefill over the paged cache: keys stored transposed in each block
-//                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax.
+//                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax;
+//                  optionally a sliding window (each query sees its last `window` keys) and per-head
+//                  attention sinks (a learned logit in every softmax's denominator, gpt-oss).
 //   packed_attention  the same over keys packed with the queries (bidirectional encoders, no cache).
 //   DecodeStack    every layer of a plain pre-norm MoE decoder for a decode-only step, in one call over the
 //                  kernels above (moe_serve/models/decode_stack.py).
@@ -871,6 +873,10 @@ struct Softmax {
   float m = -INFINITY, l = 0.f;
   float* acc;
   int64_t Dh;
+  // An attention sink: a logit with a zero value in the denominator, as if seen first (exp(sink - m) = 1).
+  static Softmax with_sink(const float* sinks, int64_t h, float* acc, int64_t Dh) {
+    return sinks == nullptr ? Softmax{-INFINITY, 0.f, acc, Dh} : Softmax{sinks[h], 1.f, acc, Dh};
+  }
   // scores s (16 keys, invalid lanes masked out) with their values at v + c * v_stride.
   inline void add16(vf s, mask16 valid, const float* v, int64_t v_stride) {
     if (!valid) return;
@@ -922,12 +928,26 @@ inline vf relative16(const float* q_rel, const float* rkt, int64_t R, int64_t Dh
   return vkeep(valid, vreverse(acc));
 }
 
+// The first key a query at `pos` sees: 0, or with a sliding window of W keys (causal only), pos - W + 1
+// (transformers' sliding_window_overlay: kv > q - W).
+inline int64_t first_key(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+
+// sinks: [H] float32 (one logit a query head), or none.
+torch::Tensor check_sinks(const c10::optional<torch::Tensor>& sinks, int64_t H) {
+  if (!sinks.has_value() || !sinks->defined()) return torch::Tensor();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "attention: sinks must be [", H, "] (one a query head), got ",
+              sinks->sizes());
+  return sinks->to(at::kFloat).contiguous();
+}
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_ids,
                               const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                               double scale, const c10::optional<torch::Tensor>& q_rel,
-                              const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset) {
+                              const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset, int64_t window,
+                              const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "attention: float32 only");
+  TORCH_CHECK(window >= 0 && (window == 0 || causal), "attention: a sliding window is causal and positive, got ", window);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: contiguous cache");
   int64_t G = k_cache.size(1), Dh = k_cache.size(2), BS = k_cache.size(3);
   TORCH_CHECK(BS % 16 == 0, "attention: the block size must be a multiple of 16");
@@ -935,6 +955,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   int64_t T = qc.size(0), H = qc.size(1), group = H / G;
   auto tables = block_tables.to(at::kInt).contiguous();
   int64_t width = tables.size(1);
+  torch::Tensor sink = check_sinks(sinks, H);
+  const float* sinkp = sink.defined() ? sink.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
@@ -964,13 +986,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
       for (int64_t d = 0; d < Dh; ++d) qs[d] = qp[i * Dh + d];
       if (qrp != nullptr)
         for (int64_t d = 0; d < Dh; ++d) qrs[d] = qrp[i * Dh + d];
-      Softmax sm{-INFINITY, 0.f, acc.data(), Dh};
+      Softmax sm = Softmax::with_sink(sinkp, h, acc.data(), Dh);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int64_t first = first_key(pos, window);  // blocks wholly before it are never read (nor need to exist)
+      for (int64_t j0 = first / 16 * 16; j0 < num_keys; j0 += 16) {
         int64_t block = tp[seq * width + j0 / BS], off = j0 % BS;
         const float* kt = kc + ((block * G + g) * Dh) * BS + off;  // [Dh, BS], columns off..off+15
         const float* vb = vc + ((block * G + g) * BS + off) * Dh;
-        mask16 valid = tail_mask(num_keys - j0);
+        mask16 valid = tail_mask(num_keys - j0) & (mask16)~tail_mask(std::max<int64_t>(0, first - j0));
         vf s = vzero();
         for (int64_t d = 0; d < Dh; ++d) s = vfmadd(vset1(qs[d]), vload(kt + d * BS), s);
         if (rkp != nullptr) s = vadd(s, relative16(qrs.data(), rkp + h * Dh * R, R, Dh, pos + rel_offset, j0, valid));
@@ -990,10 +1013,14 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const torch::Tensor& seq_starts, const torch::Tensor& seq_ids,
                                const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                                double scale, const c10::optional<torch::Tensor>& q_rel,
-                               const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset) {
+                               const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset, int64_t window,
+                               const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "attention: float32 only");
+  TORCH_CHECK(window >= 0 && (window == 0 || causal), "attention: a sliding window is causal and positive, got ", window);
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   int64_t T = qc.size(0), H = qc.size(1), Dh = qc.size(2), G = kc.size(1), group = H / G;
+  torch::Tensor sink = check_sinks(sinks, H);
+  const float* sinkp = sink.defined() ? sink.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
@@ -1022,13 +1049,14 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
       int64_t t = i / H, h = i % H, g = h / group, seq = sp[t], pos = pp[t];
       int64_t num_keys = causal ? std::min(pos + 1, np[seq]) : np[seq];
       const float* qi = qp + i * Dh;
-      Softmax sm{-INFINITY, 0.f, acc.data(), Dh};
+      Softmax sm = Softmax::with_sink(sinkp, h, acc.data(), Dh);
       std::fill(acc.begin(), acc.end(), 0.f);
       int64_t row0 = starts[seq];
-      for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-        mask16 valid = tail_mask(num_keys - j0);
+      const int64_t first = first_key(pos, window);
+      for (int64_t j0 = first / 16 * 16; j0 < num_keys; j0 += 16) {
+        mask16 valid = tail_mask(num_keys - j0) & (mask16)~tail_mask(std::max<int64_t>(0, first - j0));
         for (int c = 0; c < 16; ++c) {
-          if (j0 + c >= num_keys) { scores[c] = 0.f; continue; }
+          if (j0 + c >= num_keys || j0 + c < first) { scores[c] = 0.f; continue; }
           const float* kr = kp + ((row0 + j0 + c) * G + g) * Dh;
           vf a = vzero();
           int64_t d = 0;
@@ -1174,7 +1202,7 @@ class DecodeStack {
       auto v = parts[2].reshape({T, G, Dh}).contiguous();
       rotary_write(q, k, v, cos, sin, layer.k_cache, layer.v_cache, slot_mapping);
       auto attended = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_ids, positions, num_keys,
-                                      /*causal=*/true, layer.scale, none, none, 0);
+                                      /*causal=*/true, layer.scale, none, none, 0, /*window=*/0, none);
       h = h + layer.o(attended.reshape({T, H * Dh}));
       auto x = rms_norm(h, layer.ffn_norm, layer.ffn_eps);
       auto routed = topk_route(layer.router(x), token_k, max_k, layer.weighting);
