@@ -129,12 +129,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     """ops.moe_experts in ops a trace records: x [M, D], topk_ids [M, K] (-1: unused), topk_weights [M, K]
     -> [M, D]. Each expert runs on the token slots routed to it only (NonZero, Gather, MatMul, ScatterND),
     so a slot beyond a row's k is never computed; slots are combined in slot order."""
-    from moe_serve.kernels.ops import ACTIVATIONS
+    from moe_serve.kernels.ops import ACTIVATIONS, glu
 
     m, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [M * K] slot -> expert
     per_slot = x.new_zeros(m * k, x.shape[-1])  # [M * K, D]
-    act = ACTIVATIONS[bank.activation]
 
     def linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, e: int) -> torch.Tensor:
         out = torch.matmul(h, w[e].transpose(0, 1))
@@ -143,9 +142,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     for e in range(bank.w1.shape[0]):
         slots = torch.nonzero(flat_ids == e).reshape(-1)  # [n_e] the slots routed to expert e
         xs = x[torch.div(slots, k, rounding_mode="floor")]
-        h = act(linear(xs, bank.w1, bank.b1, e))
+        h = linear(xs, bank.w1, bank.b1, e)
         if bank.w3 is not None:
-            h = h * linear(xs, bank.w3, bank.b3, e)
+            h = glu(bank.activation, h, linear(xs, bank.w3, bank.b3, e), bank.swiglu)
+        else:
+            h = ACTIVATIONS[bank.activation](h)
         per_slot = per_slot.index_put((slots,), linear(h, bank.w2, bank.b2, e))
     return (per_slot.reshape(m, k, -1).float() * topk_weights[..., None]).sum(1).to(x.dtype)
 

@@ -25,7 +25,7 @@ LINEAR_MAX_ROWS = 64  # fp32 weights: up to this many rows the C++ kernel (weigh
 
 Weight = torch.Tensor | PackedWeight  # a float tensor, or a packed one (bf16, int8, int4: kernels/packed.py)
 
-ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+ACTIVATION_IDS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "swigluoai": 4}
 
 
 def _cpu_ext(x: torch.Tensor):
@@ -152,6 +152,7 @@ class ExpertWeights:
     w3: Weight | None = None  # [E, I, D], gated experts (GLU), in w1's format
     b3: torch.Tensor | None = None
     b2: torch.Tensor | None = None  # [E, D]
+    swiglu: SwiGLUClamp | None = None  # activation "swigluoai" only
 
     @property
     def packed(self) -> bool:
@@ -187,9 +188,10 @@ def moe_experts(
             *kernel_parts(bank.w2),
             bank.b2,
             ACTIVATION_IDS[bank.activation],
+            *((bank.swiglu.alpha, bank.swiglu.limit) if bank.swiglu is not None else (0.0, 0.0)),
         )
     gpu = _cuda_kernels(x)
-    if gpu is not None:
+    if gpu is not None and bank.swiglu is None:  # the GPU kernels have no clamped SwiGLU: the torch path
         return gpu.moe.moe_experts(x, topk_ids, topk_weights, bank.dequantized(x.dtype) if bank.packed else bank)
     return moe_experts_torch(x, topk_ids, topk_weights, bank)
 
@@ -223,10 +225,11 @@ def moe_experts_torch(
         out = _grouped_mm(h, float_weight(w, h.dtype), offsets)
         return out if b is None else out + b[sorted_expert]
 
-    act = ACTIVATIONS[bank.activation]
-    h = act(grouped(bank.w1, bank.b1, xs))
+    first = grouped(bank.w1, bank.b1, xs)
     if bank.w3 is not None:
-        h = h * grouped(bank.w3, bank.b3, xs)
+        h = glu(bank.activation, first, grouped(bank.w3, bank.b3, xs), bank.swiglu)
+    else:
+        h = ACTIVATIONS[bank.activation](first)
     sorted_out = grouped(bank.w2, bank.b2, h)  # [S, D]
     slot_out = torch.empty_like(sorted_out)
     slot_out[order] = sorted_out
@@ -242,6 +245,24 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
     "silu": F.silu,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class SwiGLUClamp:
+    """gpt-oss's gated unit ("swigluoai", vLLM's name): g = min(gate, limit), u = clamp(up, -limit, limit),
+    g * sigmoid(alpha g) * (u + 1). Defined on the pair only: a GLU activation, never a plain one."""
+
+    alpha: float
+    limit: float
+
+
+def glu(activation: str, gate: torch.Tensor, up: torch.Tensor, swiglu: SwiGLUClamp | None = None) -> torch.Tensor:
+    """A gated unit's output from its two projections: act(gate) * up, or the clamped SwiGLU."""
+    if activation == "swigluoai":
+        assert swiglu is not None, "the clamped SwiGLU needs its alpha and limit"
+        g = gate.clamp(max=swiglu.limit)
+        return g * torch.sigmoid(g * swiglu.alpha) * (up.clamp(-swiglu.limit, swiglu.limit) + 1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def test_moe_experts_rows_are_batch_invariant() -> None:
     weights = torch.rand(len(x), 2, generator=generator)
 
     def moe(rows: slice) -> torch.Tensor:
-        return cpu_extension().moe_experts(x[rows], ids[rows], weights[rows], w1, None, w3, None, w2, None, 3)
+        return cpu_extension().moe_experts(x[rows], ids[rows], weights[rows], w1, None, w3, None, w2, None, 3, 0.0, 0.0)
 
     alone = torch.cat([moe(slice(i, i + 1)) for i in range(len(x))])
     for m in ROWS:

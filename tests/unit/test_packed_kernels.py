@@ -32,7 +32,7 @@ from moe_serve.kernels.packed import (
 )
 
 BATCHES = (1, 3, 17, 64, 100)
-ACTIVATIONS = tuple(ops.ACTIVATION_IDS)
+ACTIVATIONS = tuple(ops.ACTIVATIONS)  # the clamped SwiGLU (a GLU only, with parameters): test_swiglu_clamp.py
 
 # ---- packed.py: the definition the kernels are tested against ----------------------------------------
 
@@ -189,9 +189,9 @@ def _moe(ext: ModuleType, x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
         return w.format.value if isinstance(w, PackedWeight) else {torch.float32: "fp32"}[w.dtype]
 
     up, down = name(bank.w1), name(bank.w2)
-    act = ops.ACTIVATION_IDS[bank.activation]
+    act = (ops.ACTIVATION_IDS[bank.activation], 0.0, 0.0)  # no clamped SwiGLU here: no alpha, no limit
     return ext.moe_experts_packed(
-        x, ids, weights, up, *parts(bank.w1), bank.b1, *parts(bank.w3), bank.b3, down, *parts(bank.w2), bank.b2, act
+        x, ids, weights, up, *parts(bank.w1), bank.b1, *parts(bank.w3), bank.b3, down, *parts(bank.w2), bank.b2, *act
     )
 
 

@@ -555,7 +555,14 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& data, c
 
 // ---- MoE experts -------------------------------------------------------------------------------------
 
-enum Activation : int64_t { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
+enum Activation : int64_t { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, SWIGLU_OAI = 4 };
+
+// An expert's activation (ops.ACTIVATION_IDS). SWIGLU_OAI, gpt-oss's gated unit, is defined on the pair
+// (gate, up) only: min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, -limit, limit) + 1).
+struct Act {
+  int64_t kind;
+  float alpha = 0.f, limit = 0.f;
+};
 
 // erf, |error| < 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
 inline vf erf16(vf x) {
@@ -585,7 +592,7 @@ inline vf activate16(vf v, int64_t kind) {
 }
 
 // out[r0:r1] = act(out + b) [* (up + b3)], or out + b without act: 16 values at a time.
-inline void epilogue(float* out, const float* up, const float* b, const float* b3, int64_t n, int64_t act,
+inline void epilogue(float* out, const float* up, const float* b, const float* b3, int64_t n, const Act& act,
                      bool gated, bool activated) {
   for (int64_t r = 0; r < n; r += 16) {
     mask16 m = tail_mask(n - r);
@@ -594,9 +601,16 @@ inline void epilogue(float* out, const float* up, const float* b, const float* b
     if (gated) {
       vf u = vload_masked(m, up + r);
       if (b3 != nullptr) u = vadd(u, vload_masked(m, b3 + r));
-      v = vmul(activate16(v, act), u);
+      if (act.kind == SWIGLU_OAI) {
+        const vf limit = vset1(act.limit), one = vset1(1.f);
+        vf g = vmin(v, limit);
+        vf glu = vdiv(g, vadd(one, exp16(vmul(vset1(-act.alpha), g))));  // g * sigmoid(alpha g)
+        v = vmul(glu, vadd(vmax(vmin(u, limit), vsub(vzero(), limit)), one));
+      } else {
+        v = vmul(activate16(v, act.kind), u);
+      }
     } else if (activated) {
-      v = activate16(v, act);
+      v = activate16(v, act.kind);
     }
     vstore_masked(out + r, m, v);
   }
@@ -610,7 +624,7 @@ struct Work {
 // first matrix activated times the second; activate: act(first + b). w and w3 are banks [E * rows, cols].
 template <typename W>
 void expert_matmul(const std::vector<Work>& work, const std::vector<int64_t>& offsets, const float* in, int64_t ldin,
-                   const W& w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, int64_t act,
+                   const W& w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, const Act& act,
                    bool activate_out, float* out, int64_t ldout, float* scratch) {
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -650,8 +664,11 @@ std::vector<Work> plan(const std::vector<int64_t>& offsets, int64_t rows, int64_
 torch::Tensor moe_experts_operands(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                                    const Operand& w1, const c10::optional<torch::Tensor>& b1, const c10::optional<Operand>& w3,
                                    const c10::optional<torch::Tensor>& b3, const Operand& w2,
-                                   const c10::optional<torch::Tensor>& b2, int64_t act) {
+                                   const c10::optional<torch::Tensor>& b2, const Act& act) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && topk_weights.scalar_type() == at::kFloat, "moe_experts: float32 x");
+  TORCH_CHECK(act.kind >= RELU && act.kind <= SWIGLU_OAI, "moe_experts: unknown activation ", act.kind);
+  TORCH_CHECK(act.kind != SWIGLU_OAI || (w3.has_value() && act.limit > 0.f),
+              "moe_experts: the clamped SwiGLU needs gated experts (w3) and a positive limit");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "moe_experts: int64 topk_ids");
   auto xc = x.contiguous();
   auto ids = topk_ids.contiguous();
@@ -724,7 +741,8 @@ torch::Tensor moe_experts_operands(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                           const torch::Tensor& w1, const c10::optional<torch::Tensor>& b1,
                           const c10::optional<torch::Tensor>& w3, const c10::optional<torch::Tensor>& b3,
-                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act) {
+                          const torch::Tensor& w2, const c10::optional<torch::Tensor>& b2, int64_t act, double alpha,
+                          double limit) {
   auto plain = [](const char* what, const torch::Tensor& w) {
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "moe_experts: ", what,
                 " must be float32 or bfloat16, got ", w.scalar_type(), " (packed formats: moe_experts_packed)");
@@ -733,7 +751,8 @@ torch::Tensor moe_experts(const torch::Tensor& x, const torch::Tensor& topk_ids,
   };
   c10::optional<Operand> gate;
   if (w3.has_value() && w3->defined()) gate = plain("w3", *w3);
-  return moe_experts_operands(x, topk_ids, topk_weights, plain("w1", w1), b1, gate, b3, plain("w2", w2), b2, act);
+  return moe_experts_operands(x, topk_ids, topk_weights, plain("w1", w1), b1, gate, b3, plain("w2", w2), b2,
+                              Act{act, (float)alpha, (float)limit});
 }
 
 // The banks as PackedWeight fields: w1 and w3 (data, scales) in format_up, w2 in format_down (any of fp32,
@@ -743,12 +762,14 @@ torch::Tensor moe_experts_packed(const torch::Tensor& x, const torch::Tensor& to
                                  const c10::optional<torch::Tensor>& b1, const c10::optional<torch::Tensor>& w3,
                                  const c10::optional<torch::Tensor>& s3, const c10::optional<torch::Tensor>& b3,
                                  const std::string& format_down, const torch::Tensor& w2,
-                                 const c10::optional<torch::Tensor>& s2, const c10::optional<torch::Tensor>& b2, int64_t act) {
+                                 const c10::optional<torch::Tensor>& s2, const c10::optional<torch::Tensor>& b2, int64_t act,
+                                 double alpha, double limit) {
   Format up = parse_format(format_up);
   c10::optional<Operand> gate;
   if (w3.has_value() && w3->defined()) gate = check_operand("moe_experts_packed: w3", *w3, s3, up, 3);
   return moe_experts_operands(x, topk_ids, topk_weights, check_operand("moe_experts_packed: w1", w1, s1, up, 3), b1, gate,
-                              b3, check_operand("moe_experts_packed: w2", w2, s2, parse_format(format_down), 3), b2, act);
+                              b3, check_operand("moe_experts_packed: w2", w2, s2, parse_format(format_down), 3), b2,
+                              Act{act, (float)alpha, (float)limit});
 }
 
 // ---- routing -----------------------------------------------------------------------------------------
@@ -1162,6 +1183,8 @@ class DecodeStack {
     layer.b1 = defined_or_empty(b1);
     layer.b2 = defined_or_empty(b2);
     layer.b3 = defined_or_empty(b3);
+    TORCH_CHECK(activation >= RELU && activation <= SILU, "DecodeStack: activation ", activation,
+                " (the clamped SwiGLU's models are not stacked)");
     layer.activation = activation;
     layer.k_cache = k_cache;
     layer.v_cache = v_cache;
@@ -1208,7 +1231,7 @@ class DecodeStack {
       auto routed = topk_route(layer.router(x), token_k, max_k, layer.weighting);
       if (layer.expert_load.defined()) count_experts(routed[0], layer.expert_load);
       h = h + moe_experts_operands(x, routed[0], routed[1], layer.w1, opt(layer.b1), layer.w3, opt(layer.b3), layer.w2,
-                                   opt(layer.b2), layer.activation);
+                                   opt(layer.b2), Act{layer.activation});
     }
     return h;
   }
