@@ -373,23 +373,26 @@ def attention(
     scale: float,
     relative: RelativeTerm | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ relative]) v over each query's visible keys of its own sequence -> [T, H, Dh].
 
-    window: a causal sliding window, each query seeing its last `window` keys (itself included). sinks [H]:
-    a learned logit per query head in the softmax's denominator, with no value (gpt-oss)."""
+    window: a causal sliding window, each query seeing its last `window` keys (itself included). chunk:
+    causal local chunks, each query seeing the keys of its own chunk of `chunk` positions (Llama 4). sinks
+    [H]: a learned logit per query head in the softmax's denominator, with no value (gpt-oss)."""
+    spans = window is not None or chunk is not None
     if isinstance(batch, PaddedBatch):
         assert not isinstance(cache, tuple)
-        if window is not None or sinks is not None:  # models with either are refused before a graph is built
-            raise NotImplementedError("padded-graph attention has no sliding windows or attention sinks")
+        if spans or sinks is not None:  # models with these are refused before a graph is built
+            raise NotImplementedError("padded-graph attention has no windows, local chunks or attention sinks")
         return graph.attention(q, k, v, batch, cache, causal, scale, relative)
     assert not isinstance(cache, GraphCache)
-    if window is not None and not causal:
-        raise ValueError("a sliding window needs causal attention")
+    if spans and not causal:
+        raise ValueError("a sliding window or local chunks need causal attention")
     ext = _cpu_ext(q)
     rel = (relative.q_rel, relative.r_kt, relative.offset) if relative is not None else (None, None, 0)
-    shape = (window or 0, sinks)
+    shape = (window or 0, chunk or 0, sinks)
     if ext is not None and (cache is None or (cache[0].dtype == torch.float32 and cache[0].shape[-1] % 16 == 0)):
         if cache is not None:
             return ext.paged_attention(
@@ -409,7 +412,7 @@ def attention(
             q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale, *rel, *shape
         )
     gpu = _cuda_kernels(q)
-    if window is not None or sinks is not None:  # the GPU kernels have neither: the torch path below
+    if spans or sinks is not None:  # the GPU kernels have none of these: the torch path below
         gpu = None
     if gpu is not None and relative is None:  # Transformer-XL's positional term: the torch path below
         if cache is not None:
@@ -429,7 +432,7 @@ def attention(
         return gpu.attention.packed_attention(
             q, k, v, batch.seq_starts, batch.seq_ids, batch.positions, batch.num_keys, causal, scale
         )
-    return attention_torch(q, k, v, batch, cache, causal, scale, relative, window, sinks)
+    return attention_torch(q, k, v, batch, cache, causal, scale, relative, window, chunk, sinks)
 
 
 def attention_torch(
@@ -442,6 +445,7 @@ def attention_torch(
     scale: float,
     relative: RelativeTerm | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence at a time: gather its keys (from its blocks, or its own rows), mask by position, SDPA
@@ -458,10 +462,12 @@ def attention_torch(
         else:
             keys, values = gather_sequence(cache, batch.block_tables[s], num_keys)  # type: ignore[index]
         query_pos = batch.positions[rows]  # [n]
-        lo = 0
-        if window is not None:  # keys before every query's window are not read (their blocks may be gone)
-            lo = max(0, int(query_pos.min()) - window + 1)
-            keys, values = keys[lo:], values[lo:]
+        lo = 0  # keys before every query's window or chunk are not read (their blocks may be gone)
+        if window is not None:
+            lo = max(lo, int(query_pos.min()) - window + 1)
+        if chunk is not None:
+            lo = max(lo, int(query_pos.min()) // chunk * chunk)
+        keys, values = keys[lo:], values[lo:]
         key_pos = torch.arange(lo, num_keys, device=q.device)
         allowed = (
             key_pos[None, :] <= query_pos[:, None]
@@ -470,6 +476,8 @@ def attention_torch(
         )
         if window is not None:
             allowed &= key_pos[None, :] > query_pos[:, None] - window
+        if chunk is not None:
+            allowed &= key_pos[None, :] // chunk == query_pos[:, None] // chunk
         mask = torch.zeros(allowed.shape, device=q.device, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
         qs = q[rows].transpose(0, 1)  # [H, n, Dh]
         if relative is not None:

@@ -1,10 +1,12 @@
-"""Sliding-window attention and attention sinks (gpt-oss) in ops.attention: the C++ paged and packed kernels
-and the torch path, each against a float64 reference written from the definition:
+"""Sliding-window attention and attention sinks (gpt-oss) and local chunks (Llama 4) in ops.attention: the
+C++ paged and packed kernels and the torch path, each against a float64 reference written from the
+definition:
 
     window W: a query at position p sees keys j with p - W < j <= p (transformers' sliding_window_overlay);
+    chunk C: a query at position p sees keys j with j // C == p // C, j <= p (chunked_overlay);
     sinks s [H]: softmax over [scores..., s_h] with the sink's column dropped (it weights no value).
 
-Cache slots wholly before every query's window hold NaN: a key read that should not happen shows."""
+Cache slots wholly before every query's window or chunk hold NaN: a key read that should not happen shows."""
 
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ def reference(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], batch: ops.AttentionBatch, **shape
 ) -> torch.Tensor:
     """q [T, H, Dh]; keys[s], values[s] [S_k, G, Dh] of sequence s -> [T, H, Dh], one query at a time."""
-    window, sinks, scale = shape.get("window"), shape.get("sinks"), q.shape[-1] ** -0.5
+    window, chunk, sinks, scale = shape.get("window"), shape.get("chunk"), shape.get("sinks"), q.shape[-1] ** -0.5
     out = torch.empty_like(q, dtype=torch.float64)
     group = q.shape[1] // keys[0].shape[1]
     for t in range(q.shape[0]):
         s, p = int(batch.seq_ids[t]), int(batch.positions[t])
         lo = 0 if window is None else max(0, p - window + 1)
+        lo = lo if chunk is None else max(lo, p // chunk * chunk)
         for h in range(q.shape[1]):
             k, v = keys[s][lo : p + 1, h // group].double(), values[s][lo : p + 1, h // group].double()
             logits = k @ q[t, h].double() * scale
@@ -37,9 +40,9 @@ def reference(
     return out.float()
 
 
-def poisoned_case(num_keys: list[int], queries: list[int], window: int | None, seed: int):
+def poisoned_case(num_keys: list[int], queries: list[int], window: int | None, chunk: int | None, seed: int):
     """paged_case, then every key and value no query of its sequence may see (before the earliest
-    query's window) set to NaN; the clean keys returned for the reference."""
+    query's window or chunk) set to NaN; the clean keys returned for the reference."""
     q, (k_cache, v_cache), batch = paged_case(num_keys, queries, HEADS, KV_HEADS, HEAD_DIM, torch.float32, seed)
     assert batch.block_tables is not None
     keys, values = [], []
@@ -48,9 +51,11 @@ def poisoned_case(num_keys: list[int], queries: list[int], window: int | None, s
         k, v = ops.gather_sequence((k_cache, v_cache), batch.block_tables[s], n)
         keys.append(k.clone())
         values.append(v.clone())
-        first = int(batch.positions[start]) if window is not None else 0
+        earliest = int(batch.positions[start])
         start += queries[s]
-        for j in range(max(0, first - window + 1) if window is not None else 0):
+        unseen = max(0, earliest - window + 1) if window is not None else 0
+        unseen = max(unseen, earliest // chunk * chunk) if chunk is not None else unseen
+        for j in range(unseen):
             block, off = int(batch.block_tables[s, j // k_cache.shape[-1]]), j % k_cache.shape[-1]
             k_cache[block, :, :, off] = float("nan")
             v_cache[block, :, off, :] = float("nan")
@@ -63,27 +68,30 @@ CASES = [  # (keys of each sequence, queries of each sequence): decode, a chunk 
 ]
 
 
-@pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 40])
+SPANS = [(None, None), (1, None), (5, None), (16, None), (17, None), (40, None), (None, 16), (None, 24), (30, 16)]
+
+
+@pytest.mark.parametrize(("window", "chunk"), SPANS)
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("path", ["cpp", "torch"])
-def test_paged_attention_with_window_and_sinks(window, with_sinks, case, path, monkeypatch) -> None:
+def test_paged_attention_with_window_chunk_and_sinks(window, chunk, with_sinks, case, path, monkeypatch) -> None:
     num_keys, queries = case
-    q, cache, batch, keys, values = poisoned_case(num_keys, queries, window, seed=len(num_keys) + (window or 0))
+    q, cache, batch, keys, values = poisoned_case(num_keys, queries, window, chunk, seed=len(num_keys) + (window or 0))
     sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(3)) * 2 if with_sinks else None
     if path == "torch":
         monkeypatch.setattr(ops, "_cpu_ext", lambda x: None)
     elif ops._cpu_ext(q) is None:
         pytest.skip("no C++ kernels on this machine")
     scale = HEAD_DIM**-0.5
-    got = ops.attention(q, q, q, batch, cache, True, scale, window=window, sinks=sinks)
-    want = reference(q, keys, values, batch, window=window, sinks=sinks)
+    got = ops.attention(q, q, q, batch, cache, True, scale, window=window, chunk=chunk, sinks=sinks)
+    want = reference(q, keys, values, batch, window=window, chunk=chunk, sinks=sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 3, 16, 21])
+@pytest.mark.parametrize(("window", "chunk"), [(None, None), (3, None), (16, None), (21, None), (None, 8), (None, 16)])
 @pytest.mark.parametrize("path", ["cpp", "torch"])
-def test_packed_attention_with_window_and_sinks(window, path, monkeypatch) -> None:
+def test_packed_attention_with_window_chunk_and_sinks(window, chunk, path, monkeypatch) -> None:
     """Keys packed with the queries (no cache): two whole prompts."""
     gen = torch.Generator().manual_seed(11)
     lens = [37, 20]
@@ -104,8 +112,8 @@ def test_packed_attention_with_window_and_sinks(window, path, monkeypatch) -> No
         monkeypatch.setattr(ops, "_cpu_ext", lambda x: None)
     elif ops._cpu_ext(q) is None:
         pytest.skip("no C++ kernels on this machine")
-    got = ops.attention(q, k, v, batch, None, True, HEAD_DIM**-0.5, window=window, sinks=sinks)
-    want = reference(q, list(k.split(lens)), list(v.split(lens)), batch, window=window, sinks=sinks)
+    got = ops.attention(q, k, v, batch, None, True, HEAD_DIM**-0.5, window=window, chunk=chunk, sinks=sinks)
+    want = reference(q, list(k.split(lens)), list(v.split(lens)), batch, window=window, chunk=chunk, sinks=sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -113,7 +121,7 @@ def test_window_and_sinks_are_checked() -> None:
     q, cache, batch = paged_case([20], [1], HEADS, KV_HEADS, HEAD_DIM, torch.float32, 0)
     if ops._cpu_ext(q) is None:
         pytest.skip("no C++ kernels on this machine")
-    with pytest.raises(ValueError, match="sliding window needs causal attention"):
-        ops.attention(q, q, q, batch, cache, False, 1.0, window=4)
+    with pytest.raises(ValueError, match="sliding window or local chunks need causal attention"):
+        ops.attention(q, q, q, batch, cache, False, 1.0, chunk=4)
     with pytest.raises(RuntimeError, match=r"sinks must be \[4\] \(one a query head\)"):
         ops.attention(q, q, q, batch, cache, True, 1.0, sinks=torch.zeros(3))

@@ -14,8 +14,9 @@
 //   rotary_write   rotary embedding of q and k in place, and the keys and values written to the cache.
 //   paged_attention  decode/prefill over the paged cache: keys stored transposed in each block
 //                  ([Dh, BS]) so 16 scores are one broadcast-FMA chain, with a vectorised online softmax;
-//                  optionally a sliding window (each query sees its last `window` keys) and per-head
-//                  attention sinks (a learned logit in every softmax's denominator, gpt-oss).
+//                  optionally a sliding window (each query sees its last `window` keys, gpt-oss), local
+//                  chunks (each query sees the keys of its own chunk of `chunk` positions, Llama 4) and
+//                  per-head attention sinks (a learned logit in every softmax's denominator, gpt-oss).
 //   packed_attention  the same over keys packed with the queries (bidirectional encoders, no cache).
 //   DecodeStack    every layer of a plain pre-norm MoE decoder for a decode-only step, in one call over the
 //                  kernels above (moe_serve/models/decode_stack.py).
@@ -949,9 +950,18 @@ inline vf relative16(const float* q_rel, const float* rkt, int64_t R, int64_t Dh
   return vkeep(valid, vreverse(acc));
 }
 
-// The first key a query at `pos` sees: 0, or with a sliding window of W keys (causal only), pos - W + 1
-// (transformers' sliding_window_overlay: kv > q - W).
-inline int64_t first_key(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+// The first key a causal query at `pos` sees: 0; with a sliding window of W keys, pos - W + 1 (transformers'
+// sliding_window_overlay: kv > q - W); with local chunks of C positions, the first of its chunk
+// (chunked_overlay: kv // C == q // C).
+inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
+  int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  return chunk > 0 ? std::max(first, pos / chunk * chunk) : first;
+}
+
+void check_span(int64_t window, int64_t chunk, bool causal) {
+  TORCH_CHECK(window >= 0 && chunk >= 0, "attention: window and chunk must be positive (0: none), got ", window, ", ", chunk);
+  TORCH_CHECK(causal || (window == 0 && chunk == 0), "attention: windows and local chunks are causal only");
+}
 
 // sinks: [H] float32 (one logit a query head), or none.
 torch::Tensor check_sinks(const c10::optional<torch::Tensor>& sinks, int64_t H) {
@@ -966,9 +976,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                               double scale, const c10::optional<torch::Tensor>& q_rel,
                               const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset, int64_t window,
-                              const c10::optional<torch::Tensor>& sinks) {
+                              int64_t chunk, const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "attention: float32 only");
-  TORCH_CHECK(window >= 0 && (window == 0 || causal), "attention: a sliding window is causal and positive, got ", window);
+  check_span(window, chunk, causal);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: contiguous cache");
   int64_t G = k_cache.size(1), Dh = k_cache.size(2), BS = k_cache.size(3);
   TORCH_CHECK(BS % 16 == 0, "attention: the block size must be a multiple of 16");
@@ -1009,7 +1019,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
         for (int64_t d = 0; d < Dh; ++d) qrs[d] = qrp[i * Dh + d];
       Softmax sm = Softmax::with_sink(sinkp, h, acc.data(), Dh);
       std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t first = first_key(pos, window);  // blocks wholly before it are never read (nor need to exist)
+      const int64_t first = first_key(pos, window, chunk);  // blocks wholly before it are never read (nor need to exist)
       for (int64_t j0 = first / 16 * 16; j0 < num_keys; j0 += 16) {
         int64_t block = tp[seq * width + j0 / BS], off = j0 % BS;
         const float* kt = kc + ((block * G + g) * Dh) * BS + off;  // [Dh, BS], columns off..off+15
@@ -1035,9 +1045,9 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const torch::Tensor& positions, const torch::Tensor& num_keys_of, bool causal,
                                double scale, const c10::optional<torch::Tensor>& q_rel,
                                const c10::optional<torch::Tensor>& r_kt, int64_t rel_offset, int64_t window,
-                               const c10::optional<torch::Tensor>& sinks) {
+                               int64_t chunk, const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "attention: float32 only");
-  TORCH_CHECK(window >= 0 && (window == 0 || causal), "attention: a sliding window is causal and positive, got ", window);
+  check_span(window, chunk, causal);
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   int64_t T = qc.size(0), H = qc.size(1), Dh = qc.size(2), G = kc.size(1), group = H / G;
   torch::Tensor sink = check_sinks(sinks, H);
@@ -1073,7 +1083,7 @@ torch::Tensor packed_attention(const torch::Tensor& q, const torch::Tensor& k, c
       Softmax sm = Softmax::with_sink(sinkp, h, acc.data(), Dh);
       std::fill(acc.begin(), acc.end(), 0.f);
       int64_t row0 = starts[seq];
-      const int64_t first = first_key(pos, window);
+      const int64_t first = first_key(pos, window, chunk);
       for (int64_t j0 = first / 16 * 16; j0 < num_keys; j0 += 16) {
         mask16 valid = tail_mask(num_keys - j0) & (mask16)~tail_mask(std::max<int64_t>(0, first - j0));
         for (int c = 0; c < 16; ++c) {
@@ -1225,7 +1235,7 @@ class DecodeStack {
       auto v = parts[2].reshape({T, G, Dh}).contiguous();
       rotary_write(q, k, v, cos, sin, layer.k_cache, layer.v_cache, slot_mapping);
       auto attended = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_ids, positions, num_keys,
-                                      /*causal=*/true, layer.scale, none, none, 0, /*window=*/0, none);
+                                      /*causal=*/true, layer.scale, none, none, 0, /*window=*/0, /*chunk=*/0, none);
       h = h + layer.o(attended.reshape({T, H * Dh}));
       auto x = rms_norm(h, layer.ffn_norm, layer.ffn_eps);
       auto routed = topk_route(layer.router(x), token_k, max_k, layer.weighting);
