@@ -1,13 +1,16 @@
-"""Hugging Face MoE directories (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) -> moe-serve artifacts.
+"""Hugging Face MoE directories (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, Granite-MoE with and
+without a shared expert) -> moe-serve artifacts.
 
 Weights are mapped by name (the tables below are the whole mapping) and experts are stacked into
-[N, out, in] banks. Each model keeps its routing convention: Mixtral renormalises the top-k weights
-(`topk_softmax`, normalize=true); Qwen and OLMoE follow `norm_topk_prob` (false: raw softmax mass).
+[N, out, in] banks. Each model keeps its routing convention: Mixtral and Granite renormalise the top-k
+weights (`topk_softmax`, normalize=true); Qwen and OLMoE follow `norm_topk_prob` (false: raw softmax mass);
+Phi-3.5-MoE routes with `sparsemixer` (moe_serve/layers/routers/sparsemixer.py says what k means there).
 The trained `num_experts_per_tok` becomes the default k; requests may choose any k in 1..N.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,8 @@ from moe_serve.exporters.base import (
     read_json,
     write,
 )
-from moe_serve.layers.routers import router_config
+from moe_serve.layers.norm import NormKind
+from moe_serve.layers.routers import RouterConfig, router_config
 from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RopeScaling
 from moe_serve.tokenizer import Tokenizer
 
@@ -35,25 +39,51 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class HFArchitecture:
     moe_prefix: str  # module holding router and experts in a decoder layer
-    expert_names: dict[str, str]  # our glu linear name -> the checkpoint's per-expert name
+    # our glu linear name -> the checkpoint's per-expert name; None: Granite's fused banks, `input_linear`
+    # [N, 2I, D] (gate rows, then up rows) and `output_linear` [N, D, I], beside the router
+    expert_names: dict[str, str] | None
     num_experts_keys: tuple[str, ...]  # the first one present counts (names moved between releases)
     expert_size_key: str
     qk_norm: str | None
-    has_shared_expert: bool = False
+    router: str = "topk_softmax"  # the router kind (sparsemixer: Phi-3.5-MoE)
+    router_name: str = "gate"  # the router linear under moe_prefix
+    # (its module in a decoder layer, the config key of its size; 0 or absent: none), laid out as the experts
+    shared_expert: tuple[str, str] | None = None
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x w) scales the shared expert
     has_dense_layers: bool = False  # decoder_sparse_step / mlp_only_layers decide which layers are MoE
     default_norm_topk_prob: bool = False
     default_attention_bias: bool = False
+    attention_out_bias: bool = False  # attention_bias also puts a bias on o_proj (Llama-style: Phi, Granite)
+    norm: NormKind = "rmsnorm"  # Phi-3.5-MoE: LayerNorm with bias
+    rope_types: tuple[str, ...] = ("linear", "yarn")  # rotary scalings served as this family's code computes them
+    sliding_window: bool = False  # `sliding_window` applies whenever set (no use_sliding_window switch)
+    # Granite: embedding_multiplier, residual_multiplier, attention_multiplier (the softmax scale) and
+    # logits_scaling (a divisor), each 1.0 when absent
+    multipliers: bool = False
 
 
 GLU_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+GRANITE = HFArchitecture(
+    "block_sparse_moe",
+    None,
+    ("num_local_experts",),
+    "intermediate_size",
+    None,
+    router_name="router.layer",
+    default_norm_topk_prob=True,
+    attention_out_bias=True,
+    multipliers=True,
+)
 ARCHITECTURES: dict[str, HFArchitecture] = {
     "MixtralForCausalLM": HFArchitecture(
         "block_sparse_moe",
-        {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+        MIXTRAL_NAMES,
         ("num_local_experts",),
         "intermediate_size",
         None,
         default_norm_topk_prob=True,
+        sliding_window=True,
     ),
     "Qwen2MoeForCausalLM": HFArchitecture(
         "mlp",
@@ -61,7 +91,8 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         ("num_experts",),
         "moe_intermediate_size",
         None,
-        has_shared_expert=True,
+        shared_expert=("mlp.shared_expert", "shared_expert_intermediate_size"),
+        shared_expert_gate=True,
         has_dense_layers=True,
         default_attention_bias=True,
     ),
@@ -74,6 +105,24 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         has_dense_layers=True,
     ),
     "OlmoeForCausalLM": HFArchitecture("mlp", GLU_NAMES, ("num_experts",), "intermediate_size", "full"),
+    "PhimoeForCausalLM": HFArchitecture(
+        "block_sparse_moe",
+        MIXTRAL_NAMES,
+        ("num_local_experts",),
+        "intermediate_size",
+        None,
+        router="sparsemixer",
+        attention_out_bias=True,
+        norm="layernorm",
+        # Phimoe's rotary scales cos/sin by short_mscale/long_mscale for any non-default type, so only the
+        # type it ships is served (RopeScaling: longrope).
+        rope_types=("longrope",),
+        sliding_window=True,
+    ),
+    "GraniteMoeForCausalLM": GRANITE,
+    "GraniteMoeSharedForCausalLM": dataclasses.replace(
+        GRANITE, shared_expert=("shared_mlp", "shared_intermediate_size")
+    ),
 }
 ACTIVATIONS = {
     "silu": "silu",
@@ -104,7 +153,7 @@ def _moe_layers(hf: dict[str, Any], arch: HFArchitecture) -> tuple[int, ...]:
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(hf: dict[str, Any], arch: HFArchitecture) -> tuple[float, RopeScaling | None]:
     params = dict(hf.get("rope_parameters") or {})  # transformers >= 5
     legacy = hf.get("rope_scaling") or {}  # transformers < 5
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -112,12 +161,26 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "yarn"):
-        raise ExportError(f"rope type '{rope_type}' is not supported (supported: default, linear, yarn)")
+    if rope_type not in arch.rope_types:
+        raise ExportError(
+            f"rope type '{rope_type}' is not supported for {hf.get('model_type')} (supported: default, "
+            f"{', '.join(arch.rope_types)})"
+        )
+    original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if rope_type == "longrope":
+        # Phi-3.5-MoE: transformers scales cos/sin by short_mscale (not attention_factor) for every position
+        # below original_max_position_embeddings, with the short factors (RopeScaling says why only those).
+        return theta, RopeScaling(
+            type="longrope",
+            factor=scaling.get("factor") or hf["max_position_embeddings"] / original,
+            original_max_position_embeddings=original,
+            attention_factor=scaling["short_mscale"],
+            short_factor=tuple(scaling["short_factor"]),
+        )
     return theta, RopeScaling(
         type=rope_type,
         factor=scaling["factor"],
-        original_max_position_embeddings=scaling.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
         beta_fast=scaling.get("beta_fast") or 32.0,
         beta_slow=scaling.get("beta_slow") or 1.0,
         attention_factor=scaling.get("attention_factor"),
@@ -127,32 +190,90 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _max_positions(hf: dict[str, Any], scaling: RopeScaling | None) -> int:
+    """The positions the artifact serves: the source's, capped where only a shorter range is exact."""
+    positions = hf.get("max_position_embeddings", 2048)
+    if scaling is not None and scaling.type == "longrope":
+        original = scaling.original_max_position_embeddings
+        assert original is not None  # RopeScaling requires it for longrope
+        if positions > original:
+            logger.warning(
+                "longrope rotary scaling is exact here up to original_max_position_embeddings (%d), where "
+                "transformers uses its short factors; max_position_embeddings %d is capped to it",
+                original,
+                positions,
+            )
+            return original
+    return positions
+
+
+def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: int) -> None:
+    """A window that covers every position served changes nothing (Phi-3.5-MoE ships one of 131,072, its whole
+    context); a shorter one is refused."""
+    window = hf.get("sliding_window")
+    enabled = hf.get("use_sliding_window") or arch.sliding_window
+    if enabled and window is not None and window < positions:
+        raise ExportError(
+            f"sliding-window attention is not supported; this checkpoint enables it (sliding_window {window}, "
+            f"shorter than the {positions} positions served)"
+        )
+
+
+def _router(hf: dict[str, Any], arch: HFArchitecture) -> RouterConfig:
+    if arch.router == "sparsemixer":  # eval mode uses router_jitter_noise as its masking threshold
+        return router_config(
+            "sparsemixer", **({"jitter_eps": hf["router_jitter_noise"]} if "router_jitter_noise" in hf else {})
+        )
+    return router_config(arch.router, normalize=bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob)))
+
+
+def _multipliers(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, float]:
+    """Granite's scales as ModelConfig fields (absent: transformers' default, 1.0)."""
+    if not arch.multipliers:
+        return {}
+    values = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = hf.get(key, 1.0)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ExportError(f"config.json: {key} must be a number; got {value!r}")
+        values[key] = float(value)
+    return {
+        "embedding_scale": values["embedding_multiplier"],
+        "residual_scale": values["residual_multiplier"],
+        "attention_scale": values["attention_multiplier"],  # Granite's softmax scale replaces 1/sqrt(head_dim)
+        "logits_divisor": values["logits_scaling"],
+    }
+
+
 def convert_config(
     hf: dict[str, Any], tokenizer: Tokenizer | None = None, chat_template: str | None = None
 ) -> ModelConfig:
     """A Hugging Face config.json (as a dict) -> ModelConfig."""
     _, arch = _architecture(hf)
-    if hf.get("use_sliding_window") or (hf.get("sliding_window") and hf.get("model_type") == "mixtral"):
-        raise ExportError("sliding-window attention is not supported; this checkpoint enables it (sliding_window)")
     activation = ACTIVATIONS.get(hf.get("hidden_act", "silu"))
     if activation is None:
         raise ExportError(f"activation '{hf.get('hidden_act')}' is not supported (supported: {', '.join(ACTIVATIONS)})")
     num_experts = next((hf[key] for key in arch.num_experts_keys if key in hf), None)
     if num_experts is None:
         raise ExportError(f"config.json gives no number of experts ({' or '.join(arch.num_experts_keys)})")
-    theta, scaling = _rope(hf)
-    shared = None
-    if arch.has_shared_expert and hf.get("shared_expert_intermediate_size"):
-        shared = FFNConfig("glu", hf["shared_expert_intermediate_size"], activation)
-    moe = MoEConfig(
-        num_experts=num_experts,
-        layers=_moe_layers(hf, arch),
-        expert=FFNConfig("glu", hf[arch.expert_size_key], activation),
-        router=router_config("topk_softmax", normalize=bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob))),
-        experts_per_token=ExpertsPerToken(default=hf["num_experts_per_tok"], min=1, max=num_experts),
-        shared_expert=shared,
-        shared_expert_gate=shared is not None,
-    )
+    try:
+        theta, scaling = _rope(hf, arch)
+        positions = _max_positions(hf, scaling)
+        _check_sliding_window(hf, arch, positions)
+        shared = None
+        if arch.shared_expert is not None and hf.get(arch.shared_expert[1]):
+            shared = FFNConfig("glu", hf[arch.shared_expert[1]], activation)
+        moe = MoEConfig(
+            num_experts=num_experts,
+            layers=_moe_layers(hf, arch),
+            expert=FFNConfig("glu", hf[arch.expert_size_key], activation),
+            router=_router(hf, arch),
+            experts_per_token=ExpertsPerToken(default=hf["num_experts_per_tok"], min=1, max=num_experts),
+            shared_expert=shared,
+            shared_expert_gate=shared is not None and arch.shared_expert_gate,
+        )
+    except (ConfigError, KeyError) as exc:
+        raise ExportError(f"config.json: {exc}") from None
     vocab_size = hf["vocab_size"]
     eos = hf.get("eos_token_id")
     eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and 0 <= e < vocab_size)
@@ -162,6 +283,7 @@ def convert_config(
         )
     bos = hf.get("bos_token_id")
     bos = bos if isinstance(bos, int) and 0 <= bos < vocab_size else None
+    attention_bias = bool(hf.get("qkv_bias", hf.get("attention_bias", arch.default_attention_bias)))
     try:
         return ModelConfig(
             task="causal_lm",
@@ -171,23 +293,26 @@ def convert_config(
             num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim"),
-            attention_bias=bool(hf.get("qkv_bias", hf.get("attention_bias", arch.default_attention_bias))),
+            attention_bias=attention_bias,
+            attention_out_bias=attention_bias and arch.attention_out_bias,
             ffn=FFNConfig("glu", hf.get("intermediate_size", hf[arch.expert_size_key]), activation),
             moe=moe,
             position="rotary",
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=positions,
             rope_theta=theta,
             rope_scaling=scaling,
             qk_norm=arch.qk_norm,  # type: ignore[arg-type]
             qkv_clip=hf.get("clip_qkv"),
-            norm="rmsnorm",
+            norm=arch.norm,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             norm_position="pre",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            lm_head_bias=bool(hf.get("lm_head_bias", False)),
             bos_token_id=bos,
             eos_token_id=(eos_ids[0] if len(eos_ids) == 1 else eos_ids) if eos_ids else None,
             add_bos_token=bos is not None and tokenizer is not None and _tokenizer_adds_bos(tokenizer, bos),
             chat_template=chat_template,
+            **_multipliers(hf, arch),  # type: ignore[arg-type]
         )
     except (ConfigError, KeyError) as exc:
         raise ExportError(f"config.json: {exc}") from None
@@ -210,42 +335,50 @@ def convert_weights(
     out: dict[str, torch.Tensor] = {
         "embed_tokens.weight": checkpoint.get("model.embed_tokens.weight", (config.vocab_size, d))
     }
-    out["norm.weight"] = checkpoint.get("model.norm.weight", (d,))
+    norm_parts = ("weight", "bias") if config.norm == "layernorm" else ("weight",)
+
+    def norm(src: str, dst: str) -> None:
+        for part in norm_parts:
+            out[f"{dst}.{part}"] = checkpoint.get(f"{src}.{part}", (d,))
+
+    norm("model.norm", "norm")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = checkpoint.get("lm_head.weight", (config.vocab_size, d))
-    bias = config.attention_bias
+    if config.lm_head_bias:  # a tied head keeps its own bias (an artifact names it lm_head_bias)
+        name = "lm_head_bias" if config.tie_word_embeddings else "lm_head.bias"
+        out[name] = checkpoint.get("lm_head.bias", (config.vocab_size,))
     for i in tqdm(range(config.num_layers), desc="export", unit="layer", disable=not progress):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out[dst + "attn_norm.weight"] = checkpoint.get(src + "input_layernorm.weight", (d,))
-        out[dst + "ffn_norm.weight"] = checkpoint.get(src + "post_attention_layernorm.weight", (d,))
+        norm(src + "input_layernorm", dst + "attn_norm")
+        norm(src + "post_attention_layernorm", dst + "ffn_norm")
         for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             out[dst + f"attn.{name}.weight"] = checkpoint.get(src + f"self_attn.{name}.weight", (rows, d))
-            if bias:
+            if config.attention_bias:
                 out[dst + f"attn.{name}.bias"] = checkpoint.get(src + f"self_attn.{name}.bias", (rows,))
         out[dst + "attn.o_proj.weight"] = checkpoint.get(src + "self_attn.o_proj.weight", (d, q_out))
+        if config.attention_out_bias:
+            out[dst + "attn.o_proj.bias"] = checkpoint.get(src + "self_attn.o_proj.bias", (d,))
         if config.qk_norm is not None:
             q_dim, k_dim = (config.head_dim, config.head_dim) if config.qk_norm == "per_head" else (q_out, kv_out)
             out[dst + "attn.q_norm.weight"] = checkpoint.get(src + "self_attn.q_norm.weight", (q_dim,))
             out[dst + "attn.k_norm.weight"] = checkpoint.get(src + "self_attn.k_norm.weight", (k_dim,))
         if i in config.moe.layers:
             moe = src + arch.moe_prefix + "."
-            out[dst + "moe.router.weight"] = checkpoint.get(moe + "gate.weight", (n, d))
-            out.update(
-                _experts(
-                    checkpoint, moe + "experts.", dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size
-                )
-            )
-            if config.moe.shared_expert is not None:
-                out.update(
-                    _glu(
-                        checkpoint,
-                        moe + "shared_expert.",
-                        dst + "moe.shared_expert.",
-                        GLU_NAMES,
-                        d,
-                        config.moe.shared_expert.intermediate_size,
+            out[dst + "moe.router.weight"] = checkpoint.get(f"{moe}{arch.router_name}.weight", (n, d))
+            out.update(_experts(checkpoint, moe, dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size))
+            shared = config.moe.shared_expert
+            if shared is not None:
+                assert arch.shared_expert is not None
+                shared_src = f"{src}{arch.shared_expert[0]}."
+                if arch.expert_names is None:  # Granite: the shared MLP fused as its experts are
+                    out.update(
+                        _fused_glu(checkpoint, shared_src, dst + "moe.shared_expert.", (), d, shared.intermediate_size)
                     )
-                )
+                else:
+                    out.update(
+                        _glu(checkpoint, shared_src, dst + "moe.shared_expert.", GLU_NAMES, d, shared.intermediate_size)
+                    )
+            if config.moe.shared_expert_gate:
                 out[dst + "moe.shared_expert_gate.weight"] = checkpoint.get(moe + "shared_expert_gate.weight", (1, d))
         else:
             out.update(_glu(checkpoint, src + "mlp.", dst + "ffn.", GLU_NAMES, d, config.ffn.intermediate_size))
@@ -261,9 +394,25 @@ def _glu(
     }
 
 
-def _experts(
-    checkpoint: SafetensorsCheckpoint, src: str, dst: str, arch: HFArchitecture, n: int, d: int, i: int
+def _fused_glu(
+    checkpoint: SafetensorsCheckpoint, src: str, dst: str, bank: tuple[int, ...], d: int, i: int
 ) -> dict[str, torch.Tensor]:
+    """Granite's layout, for its experts (bank = (N,)) and its shared MLP (bank = ()): input_linear holds the
+    gate rows then the up rows (transformers chunks its output in two, gate first), output_linear the down."""
+    gate_up = checkpoint.get(src + "input_linear.weight", (*bank, 2 * i, d))
+    return {
+        dst + "gate_proj.weight": gate_up[..., :i, :].contiguous(),
+        dst + "up_proj.weight": gate_up[..., i:, :].contiguous(),
+        dst + "down_proj.weight": checkpoint.get(src + "output_linear.weight", (*bank, d, i)),
+    }
+
+
+def _experts(
+    checkpoint: SafetensorsCheckpoint, moe: str, dst: str, arch: HFArchitecture, n: int, d: int, i: int
+) -> dict[str, torch.Tensor]:
+    if arch.expert_names is None:
+        return _fused_glu(checkpoint, moe, dst, (n,), d, i)
+    src = moe + "experts."
     if src + "gate_up_proj" in checkpoint:  # transformers 5's fused in-memory layout, if saved as such
         gate_up = checkpoint.get(src + "gate_up_proj", (n, 2 * i, d))
         return {
@@ -295,8 +444,8 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
         "source_architecture": name,
         "source_sha256": checkpoint.sha256(),
         "trained_experts_per_token": hf["num_experts_per_tok"],
-        "folded": "per-expert linears stacked into [N, out, in] banks; routing convention kept "
-        f"(normalize={config.moe.router.normalize if config.moe else None})",
+        "folded": "experts stacked into [N, out, in] banks; routing convention kept "
+        f"({config.moe.router.describe() if config.moe else None})",
     }
     return write(dst, config, state, tokenizer, provenance, options)
 

@@ -25,7 +25,7 @@ ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 Pooling = Literal["mean", "first", "last"]
 QKNorm = Literal["per_head", "full"]
-RopeType = Literal["linear", "yarn"]
+RopeType = Literal["linear", "yarn", "longrope"]
 
 
 # Upper bounds on sizes: far above any model served on one machine, and low enough that a corrupted or
@@ -162,23 +162,36 @@ class ClassifierConfig:
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Rotary scaling as Hugging Face defines it: `linear` divides the frequencies by `factor`; `yarn`
-    blends interpolated and extrapolated frequencies and scales cos/sin by an attention factor."""
+    blends interpolated and extrapolated frequencies and scales cos/sin by an attention factor; `longrope`
+    (Phi-3.5-MoE) divides each frequency by its own `short_factor` and scales cos/sin by `attention_factor`
+    (the source's short_mscale). Only longrope's short regime is served: it is what transformers computes
+    for a position below original_max_position_embeddings, whereas past it transformers switches scale by
+    the length of the whole call (not per position), which a paged KV cache cannot follow; ModelConfig
+    therefore keeps max_position_embeddings within original_max_position_embeddings."""
 
     type: RopeType
-    factor: float
-    original_max_position_embeddings: int | None = None  # yarn
+    factor: float  # linear, yarn; longrope: the context extension the source declares (not used to serve)
+    original_max_position_embeddings: int | None = None  # yarn, longrope
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None  # longrope: one divisor per frequency (head_dim / 2)
 
     def __post_init__(self) -> None:
         check_choice("rope_scaling.type", self.type, RopeType)
         check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
-        if self.type == "yarn" and self.original_max_position_embeddings is None:
-            raise ConfigError("rope_scaling of type yarn needs original_max_position_embeddings")
+        if self.type in ("yarn", "longrope") and self.original_max_position_embeddings is None:
+            raise ConfigError(f"rope_scaling of type {self.type} needs original_max_position_embeddings")
+        if self.type == "longrope":
+            if self.short_factor is None or self.attention_factor is None:
+                raise ConfigError("rope_scaling of type longrope needs short_factor and attention_factor")
+            for value in self.short_factor:
+                check_float("rope_scaling.short_factor[]", value, 0.0, 1e6, low_open=True)
+        elif self.short_factor is not None:
+            raise ConfigError(f"rope_scaling.short_factor goes with type longrope only; got type {self.type}")
         if self.original_max_position_embeddings is not None:
             check_size(
                 "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, MAX_POSITIONS
@@ -213,7 +226,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     norm_position: NormPosition = "pre"
     final_norm: bool = True  # a norm after the last layer (pre-norm models)
-    embedding_scale: float = 1.0  # Transformer-XL multiplies embeddings by sqrt(d_model)
+    # Token embeddings are multiplied by it: sqrt(d_model) in Transformer-XL, embedding_multiplier in Granite.
+    embedding_scale: float = 1.0
+    # Each layer's attention and FFN outputs are multiplied by it before they join the residual stream
+    # (Granite's residual_multiplier).
+    residual_scale: float = 1.0
+    attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim) (Granite: its own)
+    logits_divisor: float = 1.0  # the LM head's logits are divided by it (Granite's logits_scaling)
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     classifier: ClassifierConfig | None = None
@@ -237,7 +256,10 @@ class ModelConfig:
             check_size(name, getattr(self, name), maximum)
         check_float("norm_eps", self.norm_eps, 0.0, 1.0, low_open=True)
         check_float("rope_theta", self.rope_theta, 0.0, 1e12, low_open=True)
-        check_float("embedding_scale", self.embedding_scale, 0.0, 1e6, low_open=True)
+        for name in ("embedding_scale", "residual_scale", "logits_divisor"):
+            check_float(name, getattr(self, name), 0.0, 1e6, low_open=True)
+        if self.attention_scale is not None:
+            check_float("attention_scale", self.attention_scale, 0.0, 1e6, low_open=True)
         if self.qkv_clip is not None:
             check_float("qkv_clip", self.qkv_clip, 0.0, 1e6, low_open=True)
         check_choice("position", self.position, PositionKind)
@@ -262,6 +284,8 @@ class ModelConfig:
             check_choice("qk_norm", self.qk_norm, QKNorm)
         if self.rope_scaling is not None and self.position != "rotary":
             raise ConfigError("rope_scaling needs position rotary")
+        if self.rope_scaling is not None and self.rope_scaling.type == "longrope":
+            self._check_longrope(self.rope_scaling, head_dim)
         if self.position == "rotary" and head_dim % 2:
             raise ConfigError(f"rotary positions need an even head_dim; got {self.head_dim}")
         if self.moe is not None:
@@ -296,6 +320,20 @@ class ModelConfig:
             raise ConfigError(
                 f"the {self.position} position tables for max_position_embeddings {self.max_position_embeddings} "
                 f"would hold {self.position_table_elements:,} values (the limit is {MAX_POSITION_TABLE_ELEMENTS:,})"
+            )
+
+    def _check_longrope(self, scaling: RopeScaling, head_dim: int) -> None:
+        assert scaling.short_factor is not None and scaling.original_max_position_embeddings is not None
+        if len(scaling.short_factor) != head_dim // 2:
+            raise ConfigError(
+                f"rope_scaling.short_factor needs head_dim / 2 = {head_dim // 2} values; "
+                f"got {len(scaling.short_factor)}"
+            )
+        if self.max_position_embeddings > scaling.original_max_position_embeddings:
+            raise ConfigError(
+                "rope_scaling longrope is served in its short regime only, for positions below "
+                f"original_max_position_embeddings ({scaling.original_max_position_embeddings}); "
+                f"max_position_embeddings {self.max_position_embeddings} goes past it"
             )
 
     @property

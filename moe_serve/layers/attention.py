@@ -35,7 +35,7 @@ class Attention(nn.Module):
         self.position = config.position
         self.config = config
         self.qkv_clip = config.qkv_clip
-        self.scale = dh**-0.5
+        self.scale = config.attention_scale if config.attention_scale is not None else dh**-0.5
         self.q_proj = nn.Linear(d, h * dh, bias=config.attention_bias)
         self.k_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, g * dh, bias=config.attention_bias)

@@ -21,6 +21,10 @@ def rotary_inv_freq(
         return inv_freq, 1.0
     if scaling.type == "linear":
         return inv_freq / scaling.factor, 1.0
+    if scaling.type == "longrope":  # the short regime (RopeScaling), in transformers' order of operations
+        assert scaling.short_factor is not None and scaling.attention_factor is not None
+        factors = torch.tensor(scaling.short_factor, dtype=torch.float32, device=device)
+        return 1.0 / (factors * theta**exponents), scaling.attention_factor
     return _yarn(dim, theta, scaling, exponents)
 
 

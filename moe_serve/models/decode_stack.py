@@ -3,10 +3,12 @@
 time in the host glue between kernels, ~20 Python module calls per layer.
 
 It applies to the plain MoE decoder most checkpoints are (Mixtral, Qwen3-MoE, OLMoE without qk norm): pre-norm
-RMSNorm, rotary or learned positions, every layer an MoE layer with a top-k router that reads only its logits,
-no shared expert, fp32 activations and cache on the C++ kernels. Everything else, and every step that is not
-decode-only, runs the Python layers. Both paths call the same kernels with the same operands in the same order,
-so a token's result does not depend on which ran (tests/unit/test_decode_stack.py checks it bitwise).
+RMSNorm, rotary or learned positions, every layer an MoE layer whose router is a top-k of its logits under one
+of the kernels' weightings, no shared expert, residuals unscaled, fp32 activations and cache on the C++ kernels
+(the attention's scale is handed over; the embedding and logit scales apply outside the layers). Everything
+else, and every step that is not decode-only, runs the Python layers. Both paths call the same kernels with the
+same operands in the same order, so a token's result does not depend on which ran
+(tests/unit/test_decode_stack.py checks it bitwise).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
         return "the CPU attention kernel reads blocks of a multiple of 16 tokens"
     if config.norm_position != "pre" or config.norm != "rmsnorm" or config.position == "relative":
         return "it runs pre-norm RMSNorm layers with rotary or learned positions"
+    if config.residual_scale != 1.0:  # the C++ layers add each branch to the residual as it is
+        return f"it adds each layer's outputs to the residual unscaled (residual_scale is {config.residual_scale})"
     for layer in model.decoder_layers:
         attn = layer.attn
         if type(attn) is not Attention or not attn.is_causal or attn.qk_norm is not None or attn.qkv_clip is not None:
@@ -52,7 +56,7 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
         moe = layer.moe
         kind = type(moe.router_kind)
         if kind.route is not Router.route or kind.per_sequence or moe._stateful or kind.reads_attention:
-            return f"router kind {kind.kind} reads more than its logits"
+            return f"router kind {kind.kind} is not a top-k of its logits under one of the kernels' weightings"
         if moe.config.shared_expert is not None or moe.config.hyper_expert is not None or moe.local_experts:
             return "it runs the routed experts only (no shared expert, adapters or expert parallelism)"
         if moe._router is None or moe._bank is None:

@@ -31,6 +31,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.is_pre_norm = config.norm_position == "pre"
+        self.residual_scale = config.residual_scale
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.attn: Attention = attention if attention is not None else Attention(config)
         self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
@@ -53,11 +54,15 @@ class DecoderLayer(nn.Module):
         """h [T, D] -> [T, D]."""
         if self.is_pre_norm:
             out, attention = self._attn(self.attn_norm(h), batch)
-            h = h + out
-            return h + self._ffn(self.ffn_norm(h), batch, attention)
+            h = h + self._scaled(out)
+            return h + self._scaled(self._ffn(self.ffn_norm(h), batch, attention))
         out, attention = self._attn(h, batch)
-        h = self.attn_norm(h + out)
-        return self.ffn_norm(h + self._ffn(h, batch, attention))
+        h = self.attn_norm(h + self._scaled(out))
+        return self.ffn_norm(h + self._scaled(self._ffn(h, batch, attention)))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as it joins the residual stream (ModelConfig.residual_scale; Granite's multiplier)."""
+        return branch * self.residual_scale if self.residual_scale != 1.0 else branch
 
 
 class MoETransformer(nn.Module):
@@ -133,11 +138,14 @@ class MoETransformer(nn.Module):
         return loads
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, D] -> [R, V] in fp32."""
+        """[R, D] -> [R, V] in fp32 (divided by ModelConfig.logits_divisor, Granite's logits_scaling)."""
         if self.config.tie_word_embeddings:
             bias = self.lm_head_bias if self.config.lm_head_bias else None
-            return ops.linear(hidden, self.embed_tokens.weight, bias).float()
-        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+            logits = ops.linear(hidden, self.embed_tokens.weight, bias).float()
+        else:
+            logits = ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        divisor = self.config.logits_divisor
+        return logits / divisor if divisor != 1.0 else logits
 
     def class_logits(self, hidden: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
         """hidden [T, D] of whole sequences of seq_lens tokens -> [S, C] in fp32."""

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
+    GraniteMoeSharedConfig,
+    GraniteMoeSharedForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
+    PhimoeConfig,
+    PhimoeForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
@@ -20,6 +26,17 @@ from transformers import (
 from moe_serve.tokenizer import END_OF_TEXT, byte_level_tokenizer
 
 NUM_EXPERTS = 8
+
+
+def _longrope(head_dim: int) -> dict:
+    """Phi-3.5's rotary scaling, with made-up factors (one per frequency) and mscales."""
+    steps = torch.linspace(1.0, 4.0, head_dim // 2)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": LONGROPE_ORIGINAL,
+            "factor": 4.0,
+            "short_factor": steps.tolist(), "long_factor": (steps * 2).tolist(), "short_mscale": 1.2,
+            "long_mscale": 1.35}  # fmt: skip
+
+
 # fmt: off
 COMMON = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
               eos_token_id=None, pad_token_id=None)
@@ -40,21 +57,44 @@ MODELS = {
         **COMMON, intermediate_size=48, num_hidden_layers=2, num_experts=NUM_EXPERTS, num_experts_per_tok=2,
         clip_qkv=3.0)),
 }
+# Phi-3.5-MoE and Granite-MoE (tests/exporters/test_hf_families.py): transformers' Phi router ignores
+# num_experts_per_tok (it always takes two steps), so these are tested at k apart from MODELS.
+LONGROPE_ORIGINAL = 128  # Phi's longrope serves its short regime, positions below this (exported as the context)
+FAMILIES = {
+    # Phi-3.5-MoE's conventions: LayerNorm with bias, biases on q/k/v/o and the LM head, longrope rotary with
+    # distinct short/long factors and mscales; a jitter threshold wide enough that sparsemixer's masked
+    # softmaxes hold several experts (Phi ships 0.01, where nearly every weight is 1).
+    "phimoe": (PhimoeForCausalLM, lambda: PhimoeConfig(
+        **COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
+        attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3, max_position_embeddings=512,
+        rope_parameters=_longrope(head_dim=16))),
+    # Granite's multipliers, each away from 1 (and attention's from 1/sqrt(head_dim)).
+    "granitemoe": (GraniteMoeForCausalLM, lambda: GraniteMoeConfig(
+        **COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.1, logits_scaling=2.5)),
+    "granitemoeshared": (GraniteMoeSharedForCausalLM, lambda: GraniteMoeSharedConfig(
+        **COMMON, intermediate_size=40, shared_intermediate_size=56, num_hidden_layers=2,
+        num_local_experts=NUM_EXPERTS, num_experts_per_tok=3, embedding_multiplier=2.0, residual_multiplier=0.6,
+        attention_multiplier=0.3, logits_scaling=1.5)),
+}
 # fmt: on
+ALL = {**MODELS, **FAMILIES}
 
 
 def build_hf_model(name: str, seed: int = 0, **overrides):
-    model_class, make_config = MODELS[name]
+    model_class, make_config = ALL[name]
     config = make_config()
     for key, value in overrides.items():
         setattr(config, key, value)
+    if config.rope_parameters.get("rope_type") == "longrope":  # one factor per frequency of the head size
+        config.rope_parameters = _longrope(config.hidden_size // config.num_attention_heads)
     torch.manual_seed(seed)
     model = model_class(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # larger than HF's default init, so routing and logits are far from uniform
         for param_name, p in model.named_parameters():
             values = torch.randn(p.shape, generator=generator) * 0.15
-            p.copy_(values + 1.0 if "norm" in param_name else values)
+            p.copy_(values + 1.0 if "norm" in param_name and param_name.endswith("weight") else values)
     return model
 
 

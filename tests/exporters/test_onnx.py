@@ -67,6 +67,12 @@ LM_MODELS = {
     "mixtral": lambda root: _hf_artifact("mixtral", root),  # imported: GQA, SwiGLU experts, RMSNorm
     "qwen2-moe": lambda root: _hf_artifact("qwen2_moe", root),  # unnormalised, gated shared expert, a dense layer
     "qwen3-moe": lambda root: _hf_artifact("qwen3_moe", root),  # per-head q/k norm, YaRN rotary
+    "olmoe": lambda root: _hf_artifact("olmoe", root),  # q/k norm over all heads, clip_qkv
+    # sparsemixer routing, LayerNorm with bias, q/k/v/o and LM-head biases, longrope rotary
+    "phimoe": lambda root: _hf_artifact("phimoe", root),
+    # embedding, residual and attention scales, a logit divisor; and with an ungated shared expert
+    "granitemoe": lambda root: _hf_artifact("granitemoe", root),
+    "granitemoeshared": lambda root: _hf_artifact("granitemoeshared", root),
     "shakespeare-hyperrouter": "shakespeare-hyperrouter",  # Transformer-XL relative positions, post-norm
     "shakespeare-dense": "shakespeare-dense",  # no MoE layer
 }
@@ -246,7 +252,7 @@ def test_models_the_graph_cannot_express_are_refused_naming_the_feature(unknown_
         "similarity": "router kind 'similarity' keeps per-token routing state in the KV cache "
         r"\(graph-of-tokens routing",
         "test_expert_choice": "router kind 'test_expert_choice' has no ONNX graph; export-onnx expresses "
-        "example_topk, hyper_expert, soft_merge, topk_softmax, topk_uniform",
+        "example_topk, hyper_expert, soft_merge, sparsemixer, topk_softmax, topk_uniform",
     }
     for kind, message in messages.items():
         artifact = create_random_artifact(tmp_path / kind, _tiny_lm(router_config(kind)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,40 @@ BAD_CONFIGS = {
     ),
     "not a moe-serve config": (lambda m: m.__setitem__("format", "gguf"), "is not a moe-serve artifact config"),
     "missing field": (lambda m: m["model"].pop("hidden_size"), "model: missing required field 'hidden_size'"),
+    "residual scale zero": (lambda m: m["model"].__setitem__("residual_scale", 0), "residual_scale must be in (0, "),
+    "attention scale negative": (
+        lambda m: m["model"].__setitem__("attention_scale", -0.5),
+        "attention_scale must be in (0, ",
+    ),
+    "logits divisor not a number": (
+        lambda m: m["model"].__setitem__("logits_divisor", "6"),
+        "model.logits_divisor must be a number",
+    ),
+    "longrope past its short regime": (
+        lambda m: m["model"].__setitem__("rope_scaling", _longrope(original=128)),
+        "rope_scaling longrope is served in its short regime only, for positions below "
+        "original_max_position_embeddings (128); max_position_embeddings 256 goes past it",
+    ),
+    "longrope factors of the wrong length": (
+        lambda m: m["model"].__setitem__("rope_scaling", {**_longrope(original=256), "short_factor": [1.0, 2.0]}),
+        "rope_scaling.short_factor needs head_dim / 2 = 4 values; got 2",
+    ),
+    "short factors without longrope": (
+        lambda m: m["model"].__setitem__("rope_scaling", {"type": "linear", "factor": 2.0, "short_factor": [1.0]}),
+        "rope_scaling.short_factor goes with type longrope only; got type linear",
+    ),
 }
+
+
+def _longrope(original: int) -> dict:
+    """Phi-3.5's rotary scaling for the test LM (head_dim 8: four frequencies)."""
+    return {
+        "type": "longrope",
+        "factor": 4.0,
+        "original_max_position_embeddings": original,
+        "attention_factor": 1.2,
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+    }
 
 
 @pytest.mark.parametrize("edit,message", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
@@ -156,3 +190,21 @@ def test_config_rejects_soft_merge_for_causal_lm() -> None:
     moe = dataclasses.replace(classifier_config().moe)
     with pytest.raises(ConfigError, match="soft_merge decides once per complete input"):
         lm_config(moe=moe)
+
+
+def test_an_artifact_written_before_the_scale_fields_loads_with_the_same_results(make_artifact) -> None:
+    """residual_scale, attention_scale and logits_divisor (Granite's multipliers) default to what every model
+    computed before them: an artifact without them loads to the same config and the same logits."""
+    path = make_artifact()
+    old = shutil.copytree(path, path.parent / "written-before")
+    edit_config(old, lambda m: [m["model"].pop(key) for key in ("residual_scale", "attention_scale", "logits_divisor")])
+    assert "residual_scale" not in json.loads((old / CONFIG_FILE).read_text())["model"]
+    llms = [LLM(path), LLM(old)]
+    config = llms[1].config
+    assert config == llms[0].config
+    assert [config.residual_scale, config.attention_scale, config.logits_divisor] == [1, None, 1]
+    with torch.inference_mode():
+        logits = [
+            llm.artifact.model.lm_logits(llm.engine.runner.forward_padded([[5, 9, 14, 2, 77]], [2])[0]) for llm in llms
+        ]
+    assert torch.equal(logits[0], logits[1])

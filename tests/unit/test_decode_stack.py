@@ -46,6 +46,8 @@ CONFIGS = {
             router=router_config("topk_uniform", use_bias=True),
         ),
     ),
+    # Granite's attention scale, embedding scale and logit divisor (its residual scale the stack refuses, below).
+    "granite-scales": mixtral_like(attention_scale=0.2, embedding_scale=3.0, logits_divisor=2.5),
     # Full-softmax weights (normalize: false) and GELU-tanh GLU experts.
     "softmax-all-gelu": mixtral_like(
         moe=moe_config(
@@ -120,8 +122,14 @@ def _cache(config) -> KVCache:
             dict(moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64), shared_expert=FFNConfig("glu", 64))),
             "no shared expert",
         ),
+        (dict(norm="layernorm"), "pre-norm RMSNorm"),  # Phi-3.5-MoE
+        (dict(residual_scale=0.5), "residual unscaled (residual_scale is 0.5)"),  # Granite
+        (
+            dict(moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64), router=router_config("sparsemixer"))),
+            "router kind sparsemixer is not a top-k of its logits under one of the kernels' weightings",
+        ),
     ],
-    ids=["post-norm", "relative", "dense-layer", "shared-expert"],
+    ids=["post-norm", "relative", "dense-layer", "shared-expert", "layernorm", "residual-scale", "sparsemixer"],
 )
 def test_models_the_stack_cannot_run_keep_the_python_layers(overrides: dict, reason: str) -> None:
     from moe_serve.models import MoETransformer

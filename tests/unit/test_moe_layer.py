@@ -25,6 +25,8 @@ ROUTERS = {
     "example_topk": router_config("example_topk", input_norm="layernorm"),
     "similarity": router_config("similarity", tau=4.0),
     "similarity_bias": router_config("similarity", use_bias=True, tau=0.5),
+    # Phi-3.5-MoE's router, with a threshold wide enough that each step's masked softmax holds several experts.
+    "sparsemixer": router_config("sparsemixer", jitter_eps=0.2),
 }
 EXPERTS = {
     "mlp_relu_bias": FFNConfig("mlp", 24, "relu", use_bias=True),

@@ -1,6 +1,7 @@
 """Hugging Face imports (Mixtral, Qwen2-MoE with shared experts and dense layers, Qwen3-MoE with per-head q/k
-norms and YaRN, OLMoE with full q/k norms and clip_qkv) served by vLLM through the plugin: greedy tokens equal
-moe-serve's own engine at k = 1 and the largest k, both k in one vLLM batch."""
+norms and YaRN, OLMoE with full q/k norms and clip_qkv, Phi-3.5-MoE with sparsemixer routing, LayerNorm, biases
+and longrope, Granite-MoE with its multipliers and shared MLP) served by vLLM through the plugin: greedy tokens
+equal moe-serve's own engine at k = 1 and the largest k, both k in one vLLM batch."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import pytest
 from moe_serve import LLM, SamplingParams
 from moe_serve.exporters.base import ExportOptions
 from moe_serve.exporters.hf import export_hf
-from tests.exporters.hf_models import MODELS, NUM_EXPERTS, save_hf_model
+from tests.exporters.hf_models import ALL, NUM_EXPERTS, save_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 77, 190, 12, 43, 250, 9, 101]
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # vLLM's CPU attention
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(ALL))
 def test_imported_models_match_moe_serve_in_vllm(tmp_path: Path, name: str) -> None:
     src = save_hf_model(name, tmp_path / "hf", seed=1, overrides=HEAD_DIM_64)
     artifact = export_hf(src, tmp_path / "artifact", ExportOptions(progress=False))

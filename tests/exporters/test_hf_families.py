@@ -1,0 +1,217 @@
+"""Phi-3.5-MoE (`phimoe`) and Granite-MoE (`granitemoe`, `granitemoeshared`) through `export hf`, proven against
+transformers itself on tiny random models (tests/exporters/hf_models.py, FAMILIES): at the trained k, at k = 1
+and at the largest k, greedy tokens equal `generate`'s and the top log-probabilities agree within
+LOGPROB_ATOL, through one whole prefill, a prefill in chunks and decode; every position's logits agree in one
+forward. Then what each family's conventions became in the artifact, and what is refused by name.
+
+transformers' Phi router takes two sparsemixer steps whatever num_experts_per_tok says, so the reference at
+another k is transformers' own model with its `sparsemixer` taking top_k steps (`sparsemixer_steps`, proven
+equal to the original, bit for bit, at two): moe-serve's meaning of k for that router
+(moe_serve/layers/routers/sparsemixer.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.phimoe import modeling_phimoe
+
+from moe_serve import LLM, EngineConfig, SamplingParams
+from moe_serve.errors import ValidationError
+from moe_serve.exporters.base import ExportError, ExportOptions
+from moe_serve.exporters.hf import export_hf
+from moe_serve.layers.routers import router_class, router_config
+from moe_serve.moe_policy import MoEPolicy
+from tests.exporters.hf_models import FAMILIES, LONGROPE_ORIGINAL, NUM_EXPERTS, save_hf_model
+
+NO_PROGRESS = ExportOptions(progress=False)
+PROMPT, NEW, TOP = 20, 16, 5  # prompt and generated tokens (within Phi's served positions), alternatives
+CHUNK = 8  # the chunked engine's step budget: the prompt is prefilled in chunks of 8, 8 and 4 tokens
+LOGITS_ATOL = 1e-4  # fp32, as tests/exporters/test_hf.py (measured: at most 5.9e-6 here)
+LOGPROB_ATOL = 1e-4  # fp32 log-probabilities of the top tokens (measured: at most 3.6e-6 here)
+
+
+def sparsemixer_steps(scores: torch.Tensor, jitter_eps: float, training: bool, top_k: int = 2):
+    """transformers' eval-mode `sparsemixer` (modeling_phimoe) with its two steps written as a loop of top_k:
+    each step masks the experts already chosen and those too far below its maximum, takes the argmax, and
+    weights it by the masked softmax."""
+    assert not training
+    masked_scores, multipliers, selected = scores, [], []
+    for _ in range(top_k):
+        with torch.no_grad():
+            threshold, max_ind = masked_scores.max(dim=-1, keepdim=True)
+            factor = scores.abs().clamp(min=threshold)
+            mask = ((threshold - scores) / factor) > (2 * jitter_eps)
+        gates = torch.softmax(masked_scores.masked_fill(mask, float("-inf")), dim=-1)
+        multipliers.append(gates.gather(dim=-1, index=max_ind))
+        selected.append(max_ind)
+        masked_scores = torch.scatter(masked_scores, -1, max_ind, float("-inf"))
+    return torch.cat(multipliers, dim=-1), torch.cat(selected, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (HF directory, artifact directory)."""
+    root = tmp_path_factory.mktemp("hf-families")
+    out = {}
+    for seed, name in enumerate(FAMILIES):
+        src = save_hf_model(name, root / f"{name}-hf", seed=seed + 11)
+        out[name] = (src, export_hf(src, root / f"{name}-artifact", NO_PROGRESS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(exported) -> dict[str, tuple[LLM, LLM]]:
+    """name -> (an engine that prefills a prompt in one step, one that prefills it in chunks of CHUNK), each
+    made when a test first asks for it."""
+
+    class Engines(dict):
+        def __missing__(self, name: str) -> tuple[LLM, LLM]:
+            artifact = exported[name][1]
+            self[name] = (LLM(artifact), LLM(artifact, EngineConfig(max_num_batched_tokens=CHUNK)))
+            return self[name]
+
+    return Engines()
+
+
+def transformers_model(src: Path, name: str, k: int, monkeypatch: pytest.MonkeyPatch):
+    if name == "phimoe":  # its router passes top_k = num_experts_per_tok to sparsemixer, which ignores it
+        monkeypatch.setattr(modeling_phimoe, "sparsemixer", sparsemixer_steps)
+    return FAMILIES[name][0].from_pretrained(src, num_experts_per_tok=k).eval()
+
+
+def _k(src: Path, which: str) -> int:
+    """The trained k (the source's num_experts_per_tok), 1, or the largest (every expert)."""
+    if which == "trained":
+        return json.loads((src / "config.json").read_text())["num_experts_per_tok"]
+    return 1 if which == "1" else NUM_EXPERTS
+
+
+def test_sparsemixer_steps_is_transformers_sparsemixer_at_two_steps() -> None:
+    scores = torch.randn(4000, NUM_EXPERTS, generator=torch.Generator().manual_seed(0)) * 0.5
+    for eps in (0.01, 0.3):
+        theirs, ours = modeling_phimoe.sparsemixer(scores, eps, False), sparsemixer_steps(scores, eps, False)
+        assert all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
+
+
+def test_the_router_kind_is_transformers_sparsemixer_at_two_and_its_steps_at_every_k() -> None:
+    scores = torch.randn(4000, NUM_EXPERTS, generator=torch.Generator().manual_seed(1)) * 0.5
+    router = router_class("sparsemixer")(router_config("sparsemixer", jitter_eps=0.3), NUM_EXPERTS)
+    for k in range(1, NUM_EXPERTS + 1):
+        ids, weights = router.route(scores, torch.full((len(scores),), k), k)
+        want_weights, want_ids = (
+            modeling_phimoe.sparsemixer(scores, 0.3, False) if k == 2 else sparsemixer_steps(scores, 0.3, False, k)
+        )
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights), k
+    assert router.is_approximate(1, NUM_EXPERTS, 2) and not router.is_approximate(2, NUM_EXPERTS, 2)
+
+
+@pytest.mark.parametrize("which", ["trained", "1", "max"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_and_logprobs_equal_transformers_through_prefill_chunks_and_decode(
+    exported, engines, monkeypatch, name: str, which: str
+) -> None:
+    src, _ = exported[name]
+    k = _k(src, which)
+    model = transformers_model(src, name, k, monkeypatch)
+    prompt = torch.randint(0, 300, (1, PROMPT), generator=torch.Generator().manual_seed(len(name) + k))
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        sequence = out.sequences  # [1, PROMPT + NEW]
+        logits = model(sequence).logits[0]  # every position in one forward
+    expected_tokens = sequence[0, PROMPT:].tolist()
+    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]  # [NEW] x [V]
+    whole, chunked = engines[name]
+    with torch.inference_mode():
+        hidden, _ = whole.engine.runner.forward_padded(sequence.tolist(), [k])
+        torch.testing.assert_close(whole.artifact.model.lm_logits(hidden)[0], logits, atol=LOGITS_ATOL, rtol=0)
+    for llm, chunks in ((whole, [PROMPT]), (chunked, [CHUNK, CHUNK, PROMPT - 2 * CHUNK])):
+        prefills = _record_prefills(llm, monkeypatch)
+        params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, experts_per_token=k, logprobs=TOP)
+        got = llm.generate([prompt[0].tolist()], params)[0].outputs[0]
+        assert got.token_ids == expected_tokens
+        for step, (token, logprob, top, want) in enumerate(
+            zip(got.token_ids, got.logprobs, got.top_logprobs, expected, strict=True)
+        ):
+            assert abs(logprob - want[token].item()) <= LOGPROB_ATOL, (step, logprob, want[token].item())
+            best = sorted(top, key=lambda t: -top[t])[:TOP]
+            assert best == want.topk(TOP).indices.tolist(), step
+            assert max(abs(top[t] - want[t].item()) for t in best) <= LOGPROB_ATOL, step
+        assert prefills == chunks  # the prompt went through in one step or in chunks, then decode steps
+
+
+def _record_prefills(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The prompt tokens of each engine step that prefills (decode-only steps add nothing)."""
+    prefills: list[int] = []
+    execute = llm.engine.runner.execute
+
+    def recording(output):
+        if output.num_prefill_tokens:
+            prefills.append(output.num_prefill_tokens)
+        return execute(output)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording)
+    return prefills
+
+
+def test_phimoe_conventions_in_the_artifact(exported) -> None:
+    llm = LLM(exported["phimoe"][1])
+    config = llm.config
+    assert config.norm == "layernorm" and config.attention_bias and config.attention_out_bias and config.lm_head_bias
+    assert config.moe.router.kind == "sparsemixer" and config.moe.router.jitter_eps == 0.3
+    assert config.rope_scaling.type == "longrope" and config.rope_scaling.attention_factor == 1.2
+    assert config.max_position_embeddings == LONGROPE_ORIGINAL  # capped: the short regime only
+    assert config.moe.default_k == 2 and config.is_approximate(1) and not config.is_approximate(2)
+    with pytest.raises(ValidationError, match="moe.policy top_p is not defined for router kind sparsemixer"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, moe=MoEPolicy(p=0.5)))
+
+
+def test_granite_conventions_in_the_artifact(exported) -> None:
+    granite = LLM(exported["granitemoe"][1]).config
+    scales = (granite.embedding_scale, granite.residual_scale, granite.attention_scale, granite.logits_divisor)
+    assert scales == (3.0, 0.4, 0.1, 2.5)  # embedding, residual and attention multipliers, logits_scaling
+    assert granite.moe.router.kind == "topk_softmax" and granite.moe.router.normalize
+    assert granite.moe.shared_expert is None
+    shared = LLM(exported["granitemoeshared"][1]).config
+    assert shared.moe.shared_expert.kind == "glu" and shared.moe.shared_expert.intermediate_size == 56
+    assert not shared.moe.shared_expert_gate and shared.moe.default_k == 3
+
+
+def _edit_config(src: Path, **changes) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def test_what_cannot_be_served_exactly_is_refused_by_name(tmp_path: Path, caplog) -> None:
+    phi = save_hf_model("phimoe", tmp_path / "phi")
+    dst = tmp_path / "dst"
+    _edit_config(phi, sliding_window=32)
+    with pytest.raises(ExportError, match="sliding-window attention is not supported.*sliding_window 32, shorter"):
+        export_hf(phi, dst, NO_PROGRESS)
+    _edit_config(phi, sliding_window=256)  # wider than every position served: nothing to refuse
+    with caplog.at_level(logging.WARNING):
+        export_hf(phi, tmp_path / "wide-window", NO_PROGRESS)
+    assert "max_position_embeddings 512 is capped to it" in caplog.text
+    _edit_config(phi, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ExportError, match="rope type 'yarn' is not supported for phimoe .supported: default, longrope"):
+        export_hf(phi, dst, NO_PROGRESS)
+    granite = save_hf_model("granitemoe", tmp_path / "granite")
+    _edit_config(granite, residual_multiplier=None)
+    with pytest.raises(ExportError, match="residual_multiplier must be a number; got None"):
+        export_hf(granite, dst, NO_PROGRESS)
+    _edit_config(granite, residual_multiplier=0.0)
+    with pytest.raises(ExportError, match=r"residual_scale must be in \(0, 1e\+06\]"):
+        export_hf(granite, dst, NO_PROGRESS)
+    assert not dst.exists()
