@@ -1,5 +1,5 @@
 """Hugging Face MoE directories (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, Granite-MoE with and
-without a shared expert) -> moe-serve artifacts.
+without a shared expert, gpt-oss) -> moe-serve artifacts.
 
 Weights are mapped by name (the tables below are the whole mapping) and experts are stacked into
 [N, out, in] banks. Each model keeps its routing convention: Mixtral and Granite renormalise the top-k
@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_serve.errors import ConfigError
+from moe_serve.exporters import mxfp4
 from moe_serve.exporters.base import (
     DEFAULT_OPTIONS,
     ExportError,
@@ -30,7 +31,7 @@ from moe_serve.exporters.base import (
 )
 from moe_serve.layers.norm import NormKind
 from moe_serve.layers.routers import RouterConfig, router_config
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, ModelConfig, MoEConfig, RopeScaling
+from moe_serve.model_config import ExpertsPerToken, FFNConfig, LayerAttention, ModelConfig, MoEConfig, RopeScaling
 from moe_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ class HFArchitecture:
     # Granite: embedding_multiplier, residual_multiplier, attention_multiplier (the softmax scale) and
     # logits_scaling (a divisor), each 1.0 when absent
     multipliers: bool = False
+    # gpt-oss: experts `gate_up_proj` [N, D, 2I] (gate and up interleaved along the last axis) and `down_proj`
+    # [N, I, D], each with a bias, or the same as MXFP4 `_blocks` and `_scales` (dequantized: exporters.mxfp4);
+    # the clamped SwiGLU (swiglu_alpha, swiglu_limit); a router with a bias; per-head attention sinks; and
+    # `layer_types` alternating sliding-window and full attention (ModelConfig.layer_attention)
+    gpt_oss: bool = False
 
 
 GLU_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -122,6 +128,17 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     "GraniteMoeForCausalLM": GRANITE,
     "GraniteMoeSharedForCausalLM": dataclasses.replace(
         GRANITE, shared_expert=("shared_mlp", "shared_intermediate_size")
+    ),
+    "GptOssForCausalLM": HFArchitecture(
+        "mlp",
+        None,
+        ("num_local_experts",),
+        "intermediate_size",
+        None,
+        router_name="router",
+        default_norm_topk_prob=True,  # softmax over the top-k logits
+        attention_out_bias=True,
+        gpt_oss=True,
     ),
 }
 ACTIVATIONS = {
@@ -209,7 +226,9 @@ def _max_positions(hf: dict[str, Any], scaling: RopeScaling | None) -> int:
 
 def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: int) -> None:
     """A window that covers every position served changes nothing (Phi-3.5-MoE ships one of 131,072, its whole
-    context); a shorter one is refused."""
+    context); a shorter one is refused, except where layer_types say which layers slide (_layer_attention)."""
+    if arch.gpt_oss:
+        return
     window = hf.get("sliding_window")
     enabled = hf.get("use_sliding_window") or arch.sliding_window
     if enabled and window is not None and window < positions:
@@ -219,12 +238,47 @@ def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: i
         )
 
 
+def _layer_attention(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, Any]:
+    """gpt-oss: each layer's `layer_types` entry (sliding_attention: a window of `sliding_window` keys;
+    full_attention) and the attention sinks, as ModelConfig fields."""
+    if not arch.gpt_oss:
+        return {}
+    types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != hf["num_hidden_layers"]:
+        raise ExportError(
+            f"config.json: layer_types must give sliding_attention or full_attention for each of the "
+            f"{hf['num_hidden_layers']} layers; got {types!r}"
+        )
+    window = hf.get("sliding_window") if "sliding_attention" in types else None
+    if "sliding_attention" in types and not isinstance(window, int):
+        raise ExportError(f"config.json: sliding_attention layers need an integer sliding_window; got {window!r}")
+    spans = tuple(LayerAttention(window=window if t == "sliding_attention" else None) for t in types)
+    return {"layer_attention": spans, "attention_sinks": True}
+
+
+def _expert_ffn(hf: dict[str, Any], arch: HFArchitecture, activation: str) -> FFNConfig:
+    if arch.gpt_oss:
+        return FFNConfig(
+            "glu",
+            hf[arch.expert_size_key],
+            "swigluoai",
+            use_bias=True,
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),  # transformers' default where older configs omit it
+            swiglu_limit=float(hf["swiglu_limit"]),
+        )
+    return FFNConfig("glu", hf[arch.expert_size_key], activation)  # type: ignore[arg-type]
+
+
 def _router(hf: dict[str, Any], arch: HFArchitecture) -> RouterConfig:
     if arch.router == "sparsemixer":  # eval mode uses router_jitter_noise as its masking threshold
         return router_config(
             "sparsemixer", **({"jitter_eps": hf["router_jitter_noise"]} if "router_jitter_noise" in hf else {})
         )
-    return router_config(arch.router, normalize=bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob)))
+    normalize = bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob))
+    if arch.gpt_oss:
+        return router_config(arch.router, normalize=normalize, use_bias=True)
+    return router_config(arch.router, normalize=normalize)
 
 
 def _multipliers(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, float]:
@@ -266,7 +320,7 @@ def convert_config(
         moe = MoEConfig(
             num_experts=num_experts,
             layers=_moe_layers(hf, arch),
-            expert=FFNConfig("glu", hf[arch.expert_size_key], activation),
+            expert=_expert_ffn(hf, arch, activation),
             router=_router(hf, arch),
             experts_per_token=ExpertsPerToken(default=hf["num_experts_per_tok"], min=1, max=num_experts),
             shared_expert=shared,
@@ -313,6 +367,7 @@ def convert_config(
             add_bos_token=bos is not None and tokenizer is not None and _tokenizer_adds_bos(tokenizer, bos),
             chat_template=chat_template,
             **_multipliers(hf, arch),  # type: ignore[arg-type]
+            **_layer_attention(hf, arch),
         )
     except (ConfigError, KeyError) as exc:
         raise ExportError(f"config.json: {exc}") from None
@@ -358,6 +413,8 @@ def convert_weights(
         out[dst + "attn.o_proj.weight"] = checkpoint.get(src + "self_attn.o_proj.weight", (d, q_out))
         if config.attention_out_bias:
             out[dst + "attn.o_proj.bias"] = checkpoint.get(src + "self_attn.o_proj.bias", (d,))
+        if config.attention_sinks:
+            out[dst + "attn.sinks"] = checkpoint.get(src + "self_attn.sinks", (config.num_heads,))
         if config.qk_norm is not None:
             q_dim, k_dim = (config.head_dim, config.head_dim) if config.qk_norm == "per_head" else (q_out, kv_out)
             out[dst + "attn.q_norm.weight"] = checkpoint.get(src + "self_attn.q_norm.weight", (q_dim,))
@@ -365,6 +422,8 @@ def convert_weights(
         if i in config.moe.layers:
             moe = src + arch.moe_prefix + "."
             out[dst + "moe.router.weight"] = checkpoint.get(f"{moe}{arch.router_name}.weight", (n, d))
+            if config.moe.router.use_bias:
+                out[dst + "moe.router.bias"] = checkpoint.get(f"{moe}{arch.router_name}.bias", (n,))
             out.update(_experts(checkpoint, moe, dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size))
             shared = config.moe.shared_expert
             if shared is not None:
@@ -410,6 +469,8 @@ def _fused_glu(
 def _experts(
     checkpoint: SafetensorsCheckpoint, moe: str, dst: str, arch: HFArchitecture, n: int, d: int, i: int
 ) -> dict[str, torch.Tensor]:
+    if arch.gpt_oss:
+        return _gpt_oss_experts(checkpoint, moe + "experts.", dst, n, d, i)
     if arch.expert_names is None:
         return _fused_glu(checkpoint, moe, dst, (n,), d, i)
     src = moe + "experts."
@@ -422,6 +483,38 @@ def _experts(
         }
     per_expert = [_glu(checkpoint, f"{src}{e}.", "", arch.expert_names, d, i) for e in range(n)]
     return {f"{dst}{name}": torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
+
+
+def _gpt_oss_experts(
+    checkpoint: SafetensorsCheckpoint, src: str, dst: str, n: int, d: int, i: int
+) -> dict[str, torch.Tensor]:
+    """gpt-oss's banks (the float layout transformers saves, [N, in, out] with gate and up interleaved; or the
+    released MXFP4 blocks and scales, [N, out, in / 32, 16], dequantized to float32) -> [N, out, in] banks."""
+    if src + "gate_up_proj_blocks" in checkpoint:
+        gate_up = mxfp4.dequantize(
+            checkpoint.get(src + "gate_up_proj_blocks", (n, 2 * i, d // mxfp4.BLOCK, mxfp4.BLOCK // 2)),
+            checkpoint.get(src + "gate_up_proj_scales", (n, 2 * i, d // mxfp4.BLOCK)),
+            torch.float32,
+            src + "gate_up_proj",
+        )  # [N, 2I, D]
+        down = mxfp4.dequantize(
+            checkpoint.get(src + "down_proj_blocks", (n, d, i // mxfp4.BLOCK, mxfp4.BLOCK // 2)),
+            checkpoint.get(src + "down_proj_scales", (n, d, i // mxfp4.BLOCK)),
+            torch.float32,
+            src + "down_proj",
+        )  # [N, D, I]
+    else:
+        gate_up = checkpoint.get(src + "gate_up_proj", (n, d, 2 * i)).transpose(1, 2)
+        down = checkpoint.get(src + "down_proj", (n, i, d)).transpose(1, 2)
+    bias = checkpoint.get(src + "gate_up_proj_bias", (n, 2 * i))
+    return {
+        dst + "gate_proj.weight": gate_up[:, 0::2].contiguous(),
+        dst + "up_proj.weight": gate_up[:, 1::2].contiguous(),
+        dst + "down_proj.weight": down.contiguous(),
+        dst + "gate_proj.bias": bias[:, 0::2].contiguous(),
+        dst + "up_proj.bias": bias[:, 1::2].contiguous(),
+        dst + "down_proj.bias": checkpoint.get(src + "down_proj_bias", (n, d)),
+    }
 
 
 def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT_OPTIONS) -> Path:

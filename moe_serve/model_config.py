@@ -22,7 +22,7 @@ Task = Literal["causal_lm", "sequence_classification"]
 PositionKind = Literal["learned", "rotary", "relative"]
 NormPosition = Literal["pre", "post"]
 ExpertKind = Literal["mlp", "glu", "adapter"]
-Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swigluoai"]
 Pooling = Literal["mean", "first", "last"]
 QKNorm = Literal["per_head", "full"]
 RopeType = Literal["linear", "yarn", "longrope"]
@@ -50,17 +50,30 @@ class FFNConfig:
     mlp:     act(x W1^T + b1) W2^T + b2
     glu:     (act(x Wg^T) * (x Wu^T)) Wd^T           (SwiGLU when act = silu; Mixtral / Qwen style)
     adapter: act(x Wdown^T + bdown) Wup^T (+ bup)    (bottleneck adapter, SMEAR / HyperMoE style)
+
+    Activation swigluoai (gpt-oss, glu only) is defined on the pair: g = min(x Wg^T + bg, swiglu_limit),
+    g * sigmoid(swiglu_alpha g) * (clamp(x Wu^T + bu, -swiglu_limit, swiglu_limit) + 1) (ops.glu).
     """
 
     kind: ExpertKind
     intermediate_size: int
     activation: Activation = "silu"
     use_bias: bool = False
+    swiglu_alpha: float | None = None  # swigluoai only
+    swiglu_limit: float | None = None  # swigluoai only
 
     def __post_init__(self) -> None:
         check_choice("ffn kind", self.kind, ExpertKind)
         check_size("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE_SIZE)
         check_choice("activation", self.activation, Activation)
+        clamped = (self.swiglu_alpha, self.swiglu_limit)
+        if self.activation == "swigluoai":
+            if self.kind != "glu" or None in clamped:
+                raise ConfigError("activation swigluoai needs ffn kind glu, swiglu_alpha and swiglu_limit")
+            check_float("swiglu_alpha", self.swiglu_alpha, 0.0, 1e6, low_open=True)  # type: ignore[arg-type]
+            check_float("swiglu_limit", self.swiglu_limit, 0.0, 1e6, low_open=True)  # type: ignore[arg-type]
+        elif clamped != (None, None):
+            raise ConfigError(f"swiglu_alpha and swiglu_limit go with activation swigluoai; got {self.activation}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +215,63 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention differs from causal attention over every earlier position, for models whose
+    layers differ (gpt-oss alternates sliding-window and full layers; Llama 4 has local-chunk layers and
+    global layers without rotary). Served on the paged cache by ops.attention's window and chunk."""
+
+    window: int | None = None  # each query sees its last `window` keys, itself included
+    chunk: int | None = None  # each query sees the keys of its own chunk of `chunk` positions
+    rotary: bool = True  # False: q and k of this layer get no rotary embedding (NoPE)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            if getattr(self, name) is not None:
+                check_size(f"layer_attention[].{name}", getattr(self, name), MAX_POSITIONS)
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (MLA; DeepSeek-V2/V3), in place of the q/k/v projections. Per token:
+
+        q       = x Wq (or RMSNorm(x Wqa) Wqb, with q_lora_rank)     [H, nope + rope]
+        c, k_pe = split(x Wkva)                                      [kv_lora_rank], [rope] (one for all heads)
+        c       = RMSNorm(c)                                         the latent the cache keeps, with rotated k_pe
+        k_h     = [c Wuk_h, k_pe], v_h = c Wuv_h                     (Wkvb holds Wuk_h and Wuv_h per head)
+
+    and rotary on the rope part of q and k only; ModelConfig.head_dim is that rope part (the position tables'
+    size). The softmax scale is ModelConfig.attention_scale, by default (nope + rope)^-0.5. Served in the
+    absorbed form (moe_serve/layers/latent_attention.py): the cache holds c and k_pe per token, not K and V."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q projected from the hidden state directly (DeepSeek-V2-Lite)
+    # The q_a / kv_a RMSNorms' epsilon: DeepSeek builds them with its default 1e-6 whatever rms_norm_eps says.
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_size(f"latent_attention.{name}", getattr(self, name), MAX_INTERMEDIATE_SIZE)
+        if self.q_lora_rank is not None:
+            check_size("latent_attention.q_lora_rank", self.q_lora_rank, MAX_INTERMEDIATE_SIZE)
+        check_float("latent_attention.norm_eps", self.norm_eps, 0.0, 1.0, low_open=True)
+
+    @property
+    def cache_width(self) -> int:
+        """Values the cache keeps per token per layer: the latent and the rotated shared key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def full_kv_width(self, num_heads: int) -> int:
+        """Values per token per layer that caching each head's keys and values would take instead."""
+        return num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The whole network. Derived sizes (head_dim, num_kv_heads) are completed in __post_init__."""
 
@@ -233,6 +303,10 @@ class ModelConfig:
     residual_scale: float = 1.0
     attention_scale: float | None = None  # the attention's softmax scale; None: 1/sqrt(head_dim) (Granite: its own)
     logits_divisor: float = 1.0  # the LM head's logits are divided by it (Granite's logits_scaling)
+    # One entry per layer when layers attend differently (windows, local chunks, NoPE); None: all plain.
+    layer_attention: tuple[LayerAttention, ...] | None = None
+    attention_sinks: bool = False  # per layer, a learned logit per query head in the softmax's denominator
+    latent_attention: LatentAttentionConfig | None = None  # MLA in every layer (DeepSeek-V2/V3); None: q/k/v
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     classifier: ClassifierConfig | None = None
@@ -284,6 +358,8 @@ class ModelConfig:
             check_choice("qk_norm", self.qk_norm, QKNorm)
         if self.rope_scaling is not None and self.position != "rotary":
             raise ConfigError("rope_scaling needs position rotary")
+        self._check_layer_attention()
+        self._check_latent_attention(head_dim)
         if self.rope_scaling is not None and self.rope_scaling.type == "longrope":
             self._check_longrope(self.rope_scaling, head_dim)
         if self.position == "rotary" and head_dim % 2:
@@ -321,6 +397,59 @@ class ModelConfig:
                 f"the {self.position} position tables for max_position_embeddings {self.max_position_embeddings} "
                 f"would hold {self.position_table_elements:,} values (the limit is {MAX_POSITION_TABLE_ELEMENTS:,})"
             )
+
+    def _check_layer_attention(self) -> None:
+        spans = self.layer_attention
+        if spans is None:
+            return
+        if len(spans) != self.num_layers:
+            raise ConfigError(f"layer_attention needs one entry per layer ({self.num_layers}); got {len(spans)}")
+        if not self.is_causal and any(a.window is not None or a.chunk is not None for a in spans):
+            raise ConfigError("layer_attention: sliding windows and local chunks need a causal model")
+        if self.position != "rotary" and any(not a.rotary for a in spans):
+            raise ConfigError(f"layer_attention: rotary false needs position rotary; got position {self.position}")
+
+    @property
+    def attention_features(self) -> tuple[str, ...]:
+        """This model's attention features beyond plain attention over every earlier position, named as the
+        paths that do not serve them refuse it (the decode stack, CUDA graphs, the ONNX export, vLLM)."""
+        spans = self.layer_attention or ()
+        found = {
+            "sliding-window attention": any(a.window is not None for a in spans),
+            "local attention chunks": any(a.chunk is not None for a in spans),
+            "layers without rotary (NoPE)": any(not a.rotary for a in spans),
+            "attention sinks": self.attention_sinks,
+            "multi-head latent attention": self.latent_attention is not None,
+        }
+        return tuple(name for name, used in found.items() if used)
+
+    def attention_of(self, index: int) -> LayerAttention:
+        """Layer `index`'s attention span and positions."""
+        return self.layer_attention[index] if self.layer_attention is not None else PLAIN_ATTENTION
+
+    def _check_latent_attention(self, head_dim: int) -> None:
+        mla = self.latent_attention
+        if mla is None:
+            return
+        if not self.is_causal or self.position != "rotary":
+            raise ConfigError("latent_attention serves causal LMs with rotary positions")
+        if head_dim != mla.qk_rope_head_dim:
+            raise ConfigError(
+                f"with latent_attention, head_dim is the rotary part of each head, qk_rope_head_dim "
+                f"({mla.qk_rope_head_dim}); got {head_dim}"
+            )
+        others = {
+            "qk_norm": self.qk_norm is not None,
+            "qkv_clip": self.qkv_clip is not None,
+            "attention_sinks": self.attention_sinks,
+            "layer_attention": self.layer_attention is not None,
+        }
+        if any(others.values()):
+            raise ConfigError(
+                f"latent_attention does not combine with {', '.join(name for name, on in others.items() if on)}"
+            )
+        if self.moe is not None and router_class(self.moe.router.kind).reads_attention:
+            raise ConfigError(f"router kind {self.moe.router.kind} reads q/k/v attention; latent_attention has none")
 
     def _check_longrope(self, scaling: RopeScaling, head_dim: int) -> None:
         assert scaling.short_factor is not None and scaling.original_max_position_embeddings is not None
@@ -387,4 +516,12 @@ class ModelConfig:
         return to_jsonable(dataclasses.asdict(self))
 
 
-__all__ = ["ClassifierConfig", "ExpertsPerToken", "FFNConfig", "ModelConfig", "MoEConfig", "RopeScaling"]
+__all__ = [
+    "ClassifierConfig",
+    "ExpertsPerToken",
+    "FFNConfig",
+    "LatentAttentionConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "RopeScaling",
+]

@@ -167,7 +167,9 @@ class ModelConfigHook(VerifyAndUpdateConfig):
                 "the tensor-parallel ranks only)"
             )
         shards = Shards(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
-        refusals += parallel_problems(vllm_config.model_config.hf_config.model_config, shards)
+        model = vllm_config.model_config.hf_config.model_config
+        refusals += parallel_problems(model, shards)
+        refusals += list(model.attention_features)  # the plugin's attention is vLLM's, called without them
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             refusals.append(
                 f"platform {current_platform.device_type or 'unknown'}: per-request k is wired into vLLM's CPU "

@@ -60,6 +60,8 @@ class OnnxExport:
 
 def check_exportable(config: ModelConfig) -> None:
     """Refuse, naming the feature, a model the graph cannot express (a router kind says for itself)."""
+    if config.attention_features:
+        raise ExportError(f"the ONNX export does not support {', '.join(config.attention_features)}")
     if config.moe is not None:
         refusal = router_class(config.moe.router.kind).onnx_refusal(config)
         if refusal is not None:

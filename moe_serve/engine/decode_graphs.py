@@ -56,6 +56,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return "an encoder has no decode steps"
     if config.position == "relative":
         return "Transformer-XL relative attention runs the torch attention, which reads lengths on the host"
+    if config.attention_features:
+        return f"{', '.join(config.attention_features)} run the torch attention, which reads lengths on the host"
     if router_state_sizes(config):
         return "its router keeps per-token state in the cache, read per sequence on the host"
     moe = config.moe

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.ops import ACTIVATIONS, ExpertWeights, Weight, float_weight
+from moe_serve.kernels.ops import ACTIVATIONS, ExpertWeights, Weight, float_weight, glu
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +88,11 @@ def moe_experts_blocked(
         out = torch.bmm(h, float_weight(w, h.dtype)[experts].transpose(1, 2))
         return out if b is None else out + b[experts][:, None, :]
 
-    h = ACTIVATIONS[bank.activation](grouped(bank.w1, bank.b1, xs))
+    h = grouped(bank.w1, bank.b1, xs)
     if bank.w3 is not None:
-        h = h * grouped(bank.w3, bank.b3, xs)
+        h = glu(bank.activation, h, grouped(bank.w3, bank.b3, xs), bank.swiglu)
+    else:
+        h = ACTIVATIONS[bank.activation](h)
     block_out = grouped(bank.w2, bank.b2, h)  # [NB, BM, D]
     per_slot = x.new_zeros(num_slots + 1, x.shape[-1])  # [S + 1, D]; row S takes every padding row
     per_slot[slots.reshape(-1)] = block_out.reshape(-1, x.shape[-1])

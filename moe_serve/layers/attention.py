@@ -26,13 +26,16 @@ from moe_serve.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
+        """index: the layer's, for what differs by layer (ModelConfig.layer_attention)."""
         super().__init__()
         d, h, g, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         assert h is not None and g is not None and dh is not None
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, dh
         self.is_causal = config.is_causal
-        self.position = config.position
+        span = config.attention_of(index)
+        self.window, self.chunk = span.window, span.chunk
+        self.position = config.position if span.rotary else "none"  # a NoPE layer of a rotary model
         self.config = config
         self.qkv_clip = config.qkv_clip
         self.scale = config.attention_scale if config.attention_scale is not None else dh**-0.5
@@ -40,6 +43,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
         self.v_proj = nn.Linear(d, g * dh, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
+        if config.attention_sinks:  # gpt-oss: one logit per query head beside every softmax's scores
+            self.sinks = nn.Parameter(torch.zeros(h))
         self.qk_norm = config.qk_norm
         if config.qk_norm is not None:
             # per_head: one RMSNorm over each head's Dh (Qwen3-MoE); full: over all heads at once (OLMoE).
@@ -141,7 +146,20 @@ class Attention(nn.Module):
         if self._r_k is not None:
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
-        out = ops.attention(q.contiguous(), k, v, batch.attention, cache, self.is_causal, self.scale, relative)
+        sinks = self.sinks.float() if hasattr(self, "sinks") else None
+        out = ops.attention(
+            q.contiguous(),
+            k,
+            v,
+            batch.attention,
+            cache,
+            self.is_causal,
+            self.scale,
+            relative,
+            window=self.window,
+            chunk=self.chunk,
+            sinks=sinks,
+        )
         inputs = None
         if keep_inputs:  # the engine's paged steps only: no kind that reads attention exports to a graph
             assert not isinstance(cache, GraphCache)

@@ -33,12 +33,20 @@ def linear_shapes(config: FFNConfig, hidden_size: int) -> dict[str, tuple[int, i
     return {"down": (i, d, True), "up": (d, i, bias)}
 
 
+def swiglu_of(config: FFNConfig) -> ops.SwiGLUClamp | None:
+    """The clamped SwiGLU's parameters as the kernels take them (activation swigluoai), else None."""
+    if config.swiglu_alpha is None or config.swiglu_limit is None:
+        return None
+    return ops.SwiGLUClamp(config.swiglu_alpha, config.swiglu_limit)
+
+
 def apply_ffn(config: FFNConfig, linear: LinearFn, x: torch.Tensor) -> torch.Tensor:
+    if config.kind == "glu":
+        gated = ops.glu(config.activation, linear("gate_proj", x), linear("up_proj", x), swiglu_of(config))
+        return linear("down_proj", gated)
     act = ops.ACTIVATIONS[config.activation]
     if config.kind == "mlp":
         return linear("fc2", act(linear("fc1", x)))
-    if config.kind == "glu":
-        return linear("down_proj", act(linear("gate_proj", x)) * linear("up_proj", x))
     return linear("up", act(linear("down", x)))
 
 
@@ -90,7 +98,14 @@ class ExpertBank(nn.Module):
         if gate_up:
             w3, b3 = self._weight(gate_up[0]), self._bias(gate_up[0])
         return ops.ExpertWeights(
-            self._weight(first), self._weight(last), self.config.activation, self._bias(first), w3, b3, self._bias(last)
+            self._weight(first),
+            self._weight(last),
+            self.config.activation,
+            self._bias(first),
+            w3,
+            b3,
+            self._bias(last),
+            swiglu_of(self.config),
         )
 
     def forward_merged(

@@ -43,6 +43,8 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
         return "the CPU attention kernel reads blocks of a multiple of 16 tokens"
     if config.norm_position != "pre" or config.norm != "rmsnorm" or config.position == "relative":
         return "it runs pre-norm RMSNorm layers with rotary or learned positions"
+    if config.attention_features:
+        return f"its layers run plain attention only (this model has {', '.join(config.attention_features)})"
     if config.residual_scale != 1.0:  # the C++ layers add each branch to the residual as it is
         return f"it adds each layer's outputs to the residual unscaled (residual_scale is {config.residual_scale})"
     for layer in model.decoder_layers:

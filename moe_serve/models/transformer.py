@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.is_pre_norm = config.norm_position == "pre"
         self.residual_scale = config.residual_scale
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.attn: Attention = attention if attention is not None else Attention(config)
+        self.attn: Attention = attention if attention is not None else Attention(config, index)
         self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteMoeConfig,
     GraniteMoeForCausalLM,
     GraniteMoeSharedConfig,
@@ -76,6 +78,15 @@ FAMILIES = {
         **COMMON, intermediate_size=40, shared_intermediate_size=56, num_hidden_layers=2,
         num_local_experts=NUM_EXPERTS, num_experts_per_tok=3, embedding_multiplier=2.0, residual_multiplier=0.6,
         attention_multiplier=0.3, logits_scaling=1.5)),
+    # gpt-oss's conventions: sliding-window layers (a window of 8, shorter than the 36 tokens tested) between
+    # full ones, attention sinks, biases on q/k/v/o, router and experts, yarn rotary without truncation, and a
+    # SwiGLU limit low enough that its clamps act on these weights.
+    "gpt_oss": (GptOssForCausalLM, lambda: GptOssConfig(
+        **COMMON, intermediate_size=64, head_dim=16, num_hidden_layers=4, num_local_experts=NUM_EXPERTS,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={**YARN, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
+        tie_word_embeddings=False)),
 }
 # fmt: on
 ALL = {**MODELS, **FAMILIES}

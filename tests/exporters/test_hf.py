@@ -134,7 +134,7 @@ def test_unsupported_and_broken_sources_fail_before_writing(tmp_path: Path) -> N
         ExportError,
         match="unsupported architecture LlamaForCausalLM; supported: MixtralForCausalLM, "
         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, PhimoeForCausalLM, GraniteMoeForCausalLM, "
-        "GraniteMoeSharedForCausalLM$",
+        "GraniteMoeSharedForCausalLM, GptOssForCausalLM",
     ):
         export_hf(src, dst, NO_PROGRESS)
     _edit_config(src, architectures=["OlmoeForCausalLM"], moe_intermediate_size=1, intermediate_size=50)

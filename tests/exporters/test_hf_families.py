@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from transformers.models.phimoe import modeling_phimoe
 
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.errors import ValidationError
+from moe_serve.exporters import mxfp4
 from moe_serve.exporters.base import ExportError, ExportOptions
 from moe_serve.exporters.hf import export_hf
 from moe_serve.layers.routers import router_class, router_config
@@ -215,3 +217,94 @@ def test_what_cannot_be_served_exactly_is_refused_by_name(tmp_path: Path, caplog
     with pytest.raises(ExportError, match=r"residual_scale must be in \(0, 1e\+06\]"):
         export_hf(granite, dst, NO_PROGRESS)
     assert not dst.exists()
+
+
+def test_gpt_oss_conventions_in_the_artifact_and_each_one_matters(exported) -> None:
+    """Windows on the sliding layers only, sinks, biased router and experts, the clamped SwiGLU; serving the
+    same weights without the windows, or without the sinks, moves the logits: the parity test sees both."""
+    src, artifact = exported["gpt_oss"]
+    llm = LLM(artifact)
+    config = llm.config
+    assert [a.window for a in config.layer_attention] == [8, None, 8, None] and config.attention_sinks
+    expert = config.moe.expert
+    assert (expert.activation, expert.swiglu_alpha, expert.swiglu_limit, expert.use_bias) == (
+        "swigluoai",
+        1.702,
+        1.0,
+        True,
+    )
+    assert config.moe.router.use_bias and config.moe.router.normalize and config.attention_out_bias
+    assert config.attention_features == ("sliding-window attention", "attention sinks")
+    sequence = torch.randint(0, 300, (1, 36), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = FAMILIES["gpt_oss"][0].from_pretrained(src).eval()(sequence).logits[0]
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            hidden, _ = llm.engine.runner.forward_padded(sequence.tolist(), [2])
+            return llm.artifact.model.lm_logits(hidden)[0]
+
+    torch.testing.assert_close(logits(), want, atol=LOGITS_ATOL, rtol=0)
+    attns = [layer.attn for layer in llm.artifact.model.layers]
+    windows, sinks = [a.window for a in attns], [a.sinks.detach().clone() for a in attns]
+    for a in attns:
+        a.window = None
+    assert (logits() - want).abs().max() > 1e-2
+    for a, window in zip(attns, windows, strict=True):
+        a.window = window
+        a.sinks.data.fill_(float("-inf"))  # a sink of weight exp(-inf) = 0: plain softmax
+    assert (logits() - want).abs().max() > 1e-2
+    for a, sink in zip(attns, sinks, strict=True):
+        a.sinks.data.copy_(sink)
+    torch.testing.assert_close(logits(), want, atol=LOGITS_ATOL, rtol=0)
+
+
+def _mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] float -> MXFP4 blocks [..., rows, cols / 32, 16] and scales [..., rows, cols / 32] (the
+    nearest E2M1 value of each weight over a power-of-two block scale)."""
+    table = torch.tensor(mxfp4.FP4_E2M1)
+    groups = weight.reshape(*weight.shape[:-1], -1, mxfp4.BLOCK)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_import_as_their_dequantized_values(tmp_path: Path) -> None:
+    """The released checkpoints ship experts as MXFP4 blocks and scales: exported, they give the artifact a
+    float checkpoint holding the dequantized values gives (whose parity with transformers is tested above)."""
+    from safetensors.torch import load_file, save_file
+
+    src = save_hf_model("gpt_oss", tmp_path / "float", seed=5)
+    tensors = load_file(src / "model.safetensors")
+    packed = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4_encode(tensors[name].transpose(1, 2))  # the checkpoint's [N, out, in]
+        tensors[name] = mxfp4.dequantize(blocks, scales, torch.float32, name).transpose(1, 2).contiguous()
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    quantized = tmp_path / "mxfp4"
+    shutil.copytree(src, quantized)
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    ours = load_file(export_hf(src, tmp_path / "a", NO_PROGRESS) / "model.safetensors")
+    theirs = load_file(export_hf(quantized, tmp_path / "b", NO_PROGRESS) / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert any("experts.gate_proj" in n for n in ours)
+
+
+def test_paths_without_windows_or_sinks_refuse_gpt_oss_by_name(exported, tmp_path: Path) -> None:
+    """The ONNX export and CUDA graphs name what they lack (the vLLM plugin: tests/vllm/test_plugin_offline.py;
+    the decode stack: tests/unit/test_decode_stack.py); the engine serves the model eagerly."""
+    from moe_serve.engine.decode_graphs import unsupported_reason
+    from moe_serve.exporters.onnx.export import export_onnx
+
+    artifact = exported["gpt_oss"][1]
+    with pytest.raises(ExportError, match="the ONNX export does not support sliding-window attention, attention sinks"):
+        export_onnx(artifact, tmp_path / "onnx", verify=False)
+    assert not (tmp_path / "onnx").exists()
+    reason = unsupported_reason(LLM(artifact).config)
+    assert (
+        reason == "sliding-window attention, attention sinks run the torch attention, which reads lengths on the host"
+    )

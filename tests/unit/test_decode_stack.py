@@ -14,7 +14,7 @@ from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.kv_cache import KVCache, cache_shape
 from moe_serve.kernels import cpu_extension
 from moe_serve.layers.routers import router_config
-from moe_serve.model_config import FFNConfig
+from moe_serve.model_config import FFNConfig, LayerAttention
 from moe_serve.models.decode_stack import unsupported_reason
 from moe_serve.testing import create_random_artifact
 from tests.conftest import lm_config, moe_config
@@ -128,8 +128,21 @@ def _cache(config) -> KVCache:
             dict(moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64), router=router_config("sparsemixer"))),
             "router kind sparsemixer is not a top-k of its logits under one of the kernels' weightings",
         ),
+        (
+            dict(attention_sinks=True, layer_attention=(LayerAttention(window=4), LayerAttention(), LayerAttention())),
+            "plain attention only (this model has sliding-window attention, attention sinks)",
+        ),  # gpt-oss
     ],
-    ids=["post-norm", "relative", "dense-layer", "shared-expert", "layernorm", "residual-scale", "sparsemixer"],
+    ids=[
+        "post-norm",
+        "relative",
+        "dense-layer",
+        "shared-expert",
+        "layernorm",
+        "residual-scale",
+        "sparsemixer",
+        "gpt-oss",
+    ],
 )
 def test_models_the_stack_cannot_run_keep_the_python_layers(overrides: dict, reason: str) -> None:
     from moe_serve.models import MoETransformer

@@ -23,7 +23,10 @@ PROMPT = [5, 77, 190, 12, 43, 250, 9, 101]
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # vLLM's CPU attention
 
 
-@pytest.mark.parametrize("name", list(ALL))
+SERVED = [name for name in ALL if name != "gpt_oss"]  # gpt-oss's windows and sinks are refused: test_plugin_offline
+
+
+@pytest.mark.parametrize("name", SERVED)
 def test_imported_models_match_moe_serve_in_vllm(tmp_path: Path, name: str) -> None:
     src = save_hf_model(name, tmp_path / "hf", seed=1, overrides=HEAD_DIM_64)
     artifact = export_hf(src, tmp_path / "artifact", ExportOptions(progress=False))

@@ -145,6 +145,7 @@ def test_bad_k_is_refused_before_generation(vllm_llm, extra, message) -> None:
     [
         (dict(position="relative"), "Transformer-XL relative attention"),
         (dict(hidden_size=32, num_heads=4, num_kv_heads=2), "head_dim 8"),
+        (dict(attention_sinks=True), "does not support attention sinks"),  # gpt-oss (ModelConfig.attention_features)
     ],
 )
 def test_what_vllm_cannot_run_is_refused_at_load_by_name(tmp_path, overrides, named) -> None:
