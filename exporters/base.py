@@ -66,6 +66,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, files: list[Path]) -> None:
         self.files = files
+        self._prefix = ""  # of every stored name (under): names here are without it
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         for path in files:
@@ -96,6 +97,14 @@ class SafetensorsCheckpoint:
         _refuse_pickles(directory)
         raise ExportError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
 
+    def under(self, prefix: str) -> SafetensorsCheckpoint:
+        """The tensors whose names start with `prefix`, named without it (a multimodal checkpoint's text model)."""
+        view = SafetensorsCheckpoint([])
+        view.files, view._prefix = self.files, self._prefix + prefix
+        view._file_of = {n[len(prefix) :]: f for n, f in self._file_of.items() if n.startswith(prefix)}
+        view._shapes = {n[len(prefix) :]: s for n, s in self._shapes.items() if n.startswith(prefix)}
+        return view
+
     def keys(self) -> Iterable[str]:
         return self._file_of.keys()
 
@@ -107,14 +116,15 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one tensor; a missing name or a shape other than `shape` raises ExportError naming it."""
+        stored = self._prefix + name  # as the files name it
         if name not in self._file_of:
-            raise ExportError(f"checkpoint tensor '{name}' is missing")
+            raise ExportError(f"checkpoint tensor '{stored}' is missing")
         if shape is not None and self._shapes[name] != tuple(shape):
             raise ExportError(
-                f"checkpoint tensor '{name}' has shape {list(self._shapes[name])}, expected {list(shape)}"
+                f"checkpoint tensor '{stored}' has shape {list(self._shapes[name])}, expected {list(shape)}"
             )
         with safe_open(str(self._file_of[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self._prefix + name)
 
     def sha256(self) -> str:
         """One digest over the checkpoint files, in name order."""

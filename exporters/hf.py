@@ -1,11 +1,13 @@
 """Hugging Face MoE directories (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, Granite-MoE with and
-without a shared expert, gpt-oss) -> moe-serve artifacts.
+without a shared expert, gpt-oss, Llama 4) -> moe-serve artifacts.
 
 Weights are mapped by name (the tables below are the whole mapping) and experts are stacked into
 [N, out, in] banks. Each model keeps its routing convention: Mixtral and Granite renormalise the top-k
 weights (`topk_softmax`, normalize=true); Qwen and OLMoE follow `norm_topk_prob` (false: raw softmax mass);
 Phi-3.5-MoE routes with `sparsemixer` (moe_serve/layers/routers/sparsemixer.py says what k means there).
-The trained `num_experts_per_tok` becomes the default k; requests may choose any k in 1..N.
+DeepSeek-V2/V3 add multi-head latent attention and group-limited routing (exporters/hf_deepseek.py).
+The trained `num_experts_per_tok` becomes the default k; requests may choose any k in 1..N (DeepSeek: up to
+what its groups kept hold).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
 
 from moe_serve.errors import ConfigError
-from moe_serve.exporters import mxfp4
+from moe_serve.exporters import hf_deepseek, mxfp4
 from moe_serve.exporters.base import (
     DEFAULT_OPTIONS,
     ExportError,
@@ -31,7 +33,15 @@ from moe_serve.exporters.base import (
 )
 from moe_serve.layers.norm import NormKind
 from moe_serve.layers.routers import RouterConfig, router_config
-from moe_serve.model_config import ExpertsPerToken, FFNConfig, LayerAttention, ModelConfig, MoEConfig, RopeScaling
+from moe_serve.model_config import (
+    AttentionTemperature,
+    ExpertsPerToken,
+    FFNConfig,
+    LayerAttention,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+)
 from moe_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +76,16 @@ class HFArchitecture:
     # the clamped SwiGLU (swiglu_alpha, swiglu_limit); a router with a bias; per-head attention sinks; and
     # `layer_types` alternating sliding-window and full attention (ModelConfig.layer_attention)
     gpt_oss: bool = False
+    # Llama 4: `moe_layers` (or every interleave_moe_layer_step-th layer) MoE, the others dense FFNs; experts
+    # `gate_up_proj` [N, D, 2I] (gate columns, then up) and `down_proj` [N, I, D]; router `topk_sigmoid` whose
+    # weight scales each expert's input; local-chunk layers with rotary and the L2 q/k norm, global layers
+    # without either (`no_rope_layers`), with temperature tuning; rotary on interleaved pairs (q/k rows permuted)
+    llama4: bool = False
+    dense_prefix: str = "mlp"  # a dense layer's FFN module
+    dense_size_key: str = "intermediate_size"  # its width
+    # DeepSeek-V2 / V3 (exporters/hf_deepseek.py): multi-head latent attention, first_k_dense_replace dense
+    # layers, n_shared_experts always-on experts, router kind grouped_topk (V2 softmax, V3 sigmoid + bias)
+    deepseek: Literal["v2", "v3"] | None = None
 
 
 GLU_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -80,6 +100,16 @@ GRANITE = HFArchitecture(
     default_norm_topk_prob=True,
     attention_out_bias=True,
     multipliers=True,
+)
+DEEPSEEK_V2 = HFArchitecture(
+    "mlp",
+    GLU_NAMES,
+    ("n_routed_experts",),
+    "moe_intermediate_size",
+    None,
+    router="grouped_topk",
+    attention_out_bias=True,  # attention_bias puts a bias on q_a, kv_a and o_proj
+    deepseek="v2",
 )
 ARCHITECTURES: dict[str, HFArchitecture] = {
     "MixtralForCausalLM": HFArchitecture(
@@ -129,6 +159,23 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     "GraniteMoeSharedForCausalLM": dataclasses.replace(
         GRANITE, shared_expert=("shared_mlp", "shared_intermediate_size")
     ),
+    "Llama4ForCausalLM": HFArchitecture(
+        "feed_forward",
+        GLU_NAMES,
+        ("num_local_experts",),
+        "intermediate_size",
+        "per_head",
+        router="topk_sigmoid",
+        router_name="router",
+        shared_expert=("feed_forward.shared_expert", "intermediate_size"),
+        has_dense_layers=True,
+        rope_types=("linear", "yarn", "llama3"),
+        llama4=True,
+        dense_prefix="feed_forward",
+        dense_size_key="intermediate_size_mlp",
+    ),
+    "DeepseekV2ForCausalLM": DEEPSEEK_V2,
+    "DeepseekV3ForCausalLM": dataclasses.replace(DEEPSEEK_V2, deepseek="v3"),
     "GptOssForCausalLM": HFArchitecture(
         "mlp",
         None,
@@ -162,9 +209,14 @@ def _architecture(hf: dict[str, Any]) -> tuple[str, HFArchitecture]:
 
 
 def _moe_layers(hf: dict[str, Any], arch: HFArchitecture) -> tuple[int, ...]:
+    if arch.deepseek is not None:  # first_k_dense_replace
+        return hf_deepseek.moe_layers(hf)
     layers = range(hf["num_hidden_layers"])
     if not arch.has_dense_layers:
         return tuple(layers)
+    if arch.llama4:  # transformers' Llama4TextConfig rule
+        step = hf.get("interleave_moe_layer_step", 1) or 1
+        return tuple(hf.get("moe_layers") or range(step - 1, hf["num_hidden_layers"], step))
     step = hf.get("decoder_sparse_step", 1) or 1
     dense = set(hf.get("mlp_only_layers") or [])
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
@@ -184,6 +236,14 @@ def _rope(hf: dict[str, Any], arch: HFArchitecture) -> tuple[float, RopeScaling 
             f"{', '.join(arch.rope_types)})"
         )
     original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            type="llama3",
+            factor=scaling["factor"],
+            original_max_position_embeddings=original,
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+        )
     if rope_type == "longrope":
         # Phi-3.5-MoE: transformers scales cos/sin by short_mscale (not attention_factor) for every position
         # below original_max_position_embeddings, with the short factors (RopeScaling says why only those).
@@ -226,21 +286,29 @@ def _max_positions(hf: dict[str, Any], scaling: RopeScaling | None) -> int:
 
 def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: int) -> None:
     """A window that covers every position served changes nothing (Phi-3.5-MoE ships one of 131,072, its whole
-    context); a shorter one is refused, except where layer_types say which layers slide (_layer_attention)."""
-    if arch.gpt_oss:
-        return
+    context). A shorter one is served where every layer slides (Mixtral, Phi: _layer_attention) or where
+    layer_types say which do (gpt-oss); Qwen's use_sliding_window, with its own rule for which layers slide
+    (max_window_layers), is refused."""
     window = hf.get("sliding_window")
-    enabled = hf.get("use_sliding_window") or arch.sliding_window
-    if enabled and window is not None and window < positions:
+    if hf.get("use_sliding_window") and window is not None and window < positions:
         raise ExportError(
-            f"sliding-window attention is not supported; this checkpoint enables it (sliding_window {window}, "
-            f"shorter than the {positions} positions served)"
+            f"sliding-window attention with use_sliding_window is not supported (sliding_window {window}, "
+            f"shorter than the {positions} positions served; which layers slide follows max_window_layers)"
         )
 
 
 def _layer_attention(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, Any]:
     """gpt-oss: each layer's `layer_types` entry (sliding_attention: a window of `sliding_window` keys;
-    full_attention) and the attention sinks, as ModelConfig fields."""
+    full_attention) and the attention sinks; Llama 4: each layer's chunk, rotary and q/k norm, and the
+    temperature tuning of its layers without rotary; as ModelConfig fields."""
+    if arch.llama4:
+        return _llama4_attention(hf)
+    if arch.sliding_window:  # Mixtral, Phi: with sliding_window set, transformers' mask slides in every layer
+        window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+        served = hf.get("max_position_embeddings", 2048)
+        if isinstance(window, int) and window < served:
+            return {"layer_attention": (LayerAttention(window=window),) * n}
+        return {}
     if not arch.gpt_oss:
         return {}
     types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
@@ -257,6 +325,28 @@ def _layer_attention(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, Any]
     return {"layer_attention": spans, "attention_sinks": True}
 
 
+def _llama4_attention(hf: dict[str, Any]) -> dict[str, Any]:
+    n = hf["num_hidden_layers"]
+    rope = hf.get("no_rope_layers") or [1] * n  # 1: the layer uses rotary (transformers' naming)
+    types = hf.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in rope]
+    if len(rope) != n or len(types) != n or set(types) - {"chunked_attention", "full_attention"}:
+        raise ExportError(
+            f"config.json: no_rope_layers and layer_types need one entry per layer ({n}), layer_types "
+            f"chunked_attention or full_attention; got {rope!r}, {types!r}"
+        )
+    chunk = hf.get("attention_chunk_size")
+    spans = tuple(
+        LayerAttention(
+            chunk=chunk if t == "chunked_attention" else None, rotary=bool(r), qk_norm=bool(r)
+        )  # transformers builds the L2 q/k norm on the rotary layers only
+        for r, t in zip(rope, types, strict=True)
+    )
+    temperature = None
+    if hf.get("attn_temperature_tuning") and not all(rope):
+        temperature = AttentionTemperature(float(hf["floor_scale"]), float(hf["attn_scale"]))
+    return {"layer_attention": spans, "attention_temperature": temperature}
+
+
 def _expert_ffn(hf: dict[str, Any], arch: HFArchitecture, activation: str) -> FFNConfig:
     if arch.gpt_oss:
         return FFNConfig(
@@ -271,14 +361,30 @@ def _expert_ffn(hf: dict[str, Any], arch: HFArchitecture, activation: str) -> FF
 
 
 def _router(hf: dict[str, Any], arch: HFArchitecture) -> RouterConfig:
+    if arch.deepseek is not None:  # grouped_topk
+        return hf_deepseek.router(hf, arch.deepseek)
     if arch.router == "sparsemixer":  # eval mode uses router_jitter_noise as its masking threshold
         return router_config(
             "sparsemixer", **({"jitter_eps": hf["router_jitter_noise"]} if "router_jitter_noise" in hf else {})
         )
+    if arch.router == "topk_sigmoid":
+        return router_config("topk_sigmoid")
     normalize = bool(hf.get("norm_topk_prob", arch.default_norm_topk_prob))
     if arch.gpt_oss:
         return router_config(arch.router, normalize=normalize, use_bias=True)
     return router_config(arch.router, normalize=normalize)
+
+
+def _max_k(hf: dict[str, Any], arch: HFArchitecture, num_experts: int) -> int:
+    """The largest k served: every expert, or for DeepSeek's group-limited routing what its groups kept hold."""
+    return hf_deepseek.max_k(hf, _router(hf, arch), num_experts) if arch.deepseek is not None else num_experts
+
+
+def _heads(hf: dict[str, Any], arch: HFArchitecture, scaling: RopeScaling | None) -> dict[str, Any]:
+    """num_kv_heads and head_dim; DeepSeek: its latent attention's fields (exporters/hf_deepseek.py)."""
+    if arch.deepseek is not None:
+        return hf_deepseek.model_fields(hf, scaling)
+    return {"num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"], "head_dim": hf.get("head_dim")}
 
 
 def _multipliers(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, float]:
@@ -317,12 +423,17 @@ def convert_config(
         shared = None
         if arch.shared_expert is not None and hf.get(arch.shared_expert[1]):
             shared = FFNConfig("glu", hf[arch.shared_expert[1]], activation)
+        if arch.deepseek is not None:  # n_shared_experts of moe_intermediate_size
+            shared = hf_deepseek.shared_expert(hf, activation)
         moe = MoEConfig(
+            weights_scale_input=arch.llama4,
             num_experts=num_experts,
             layers=_moe_layers(hf, arch),
             expert=_expert_ffn(hf, arch, activation),
             router=_router(hf, arch),
-            experts_per_token=ExpertsPerToken(default=hf["num_experts_per_tok"], min=1, max=num_experts),
+            experts_per_token=ExpertsPerToken(
+                default=hf["num_experts_per_tok"], min=1, max=_max_k(hf, arch, num_experts)
+            ),
             shared_expert=shared,
             shared_expert_gate=shared is not None and arch.shared_expert_gate,
         )
@@ -345,17 +456,16 @@ def convert_config(
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
+            **_heads(hf, arch, scaling),
             attention_bias=attention_bias,
             attention_out_bias=attention_bias and arch.attention_out_bias,
-            ffn=FFNConfig("glu", hf.get("intermediate_size", hf[arch.expert_size_key]), activation),
+            ffn=FFNConfig("glu", hf.get(arch.dense_size_key, hf[arch.expert_size_key]), activation),
             moe=moe,
             position="rotary",
             max_position_embeddings=positions,
             rope_theta=theta,
             rope_scaling=scaling,
-            qk_norm=arch.qk_norm,  # type: ignore[arg-type]
+            qk_norm=None if arch.llama4 and not hf.get("use_qk_norm") else arch.qk_norm,  # type: ignore[arg-type]
             qkv_clip=hf.get("clip_qkv"),
             norm=arch.norm,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -406,16 +516,27 @@ def convert_weights(
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         norm(src + "input_layernorm", dst + "attn_norm")
         norm(src + "post_attention_layernorm", dst + "ffn_norm")
+        if arch.deepseek is not None:  # latent attention, then its MoE layout (exporters/hf_deepseek.py)
+            out.update(hf_deepseek.layer_weights(checkpoint, hf, arch, config, i))
+            continue
         for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             out[dst + f"attn.{name}.weight"] = checkpoint.get(src + f"self_attn.{name}.weight", (rows, d))
             if config.attention_bias:
                 out[dst + f"attn.{name}.bias"] = checkpoint.get(src + f"self_attn.{name}.bias", (rows,))
+            if arch.llama4 and name != "v_proj":
+                out[dst + f"attn.{name}.weight"] = _pairs_to_halves(out[dst + f"attn.{name}.weight"], config.head_dim)
         out[dst + "attn.o_proj.weight"] = checkpoint.get(src + "self_attn.o_proj.weight", (d, q_out))
         if config.attention_out_bias:
             out[dst + "attn.o_proj.bias"] = checkpoint.get(src + "self_attn.o_proj.bias", (d,))
         if config.attention_sinks:
             out[dst + "attn.sinks"] = checkpoint.get(src + "self_attn.sinks", (config.num_heads,))
-        if config.qk_norm is not None:
+        if config.qk_norm is None or not config.attention_of(i).qk_norm:
+            pass
+        elif arch.llama4:
+            # its L2 norm after rotary: RMSNorm with unit weights (it has none), which commutes with a rotation
+            out[dst + "attn.q_norm.weight"] = torch.ones(config.head_dim)
+            out[dst + "attn.k_norm.weight"] = torch.ones(config.head_dim)
+        else:
             q_dim, k_dim = (config.head_dim, config.head_dim) if config.qk_norm == "per_head" else (q_out, kv_out)
             out[dst + "attn.q_norm.weight"] = checkpoint.get(src + "self_attn.q_norm.weight", (q_dim,))
             out[dst + "attn.k_norm.weight"] = checkpoint.get(src + "self_attn.k_norm.weight", (k_dim,))
@@ -440,7 +561,8 @@ def convert_weights(
             if config.moe.shared_expert_gate:
                 out[dst + "moe.shared_expert_gate.weight"] = checkpoint.get(moe + "shared_expert_gate.weight", (1, d))
         else:
-            out.update(_glu(checkpoint, src + "mlp.", dst + "ffn.", GLU_NAMES, d, config.ffn.intermediate_size))
+            dense = f"{src}{arch.dense_prefix}."
+            out.update(_glu(checkpoint, dense, dst + "ffn.", GLU_NAMES, d, config.ffn.intermediate_size))
     return out
 
 
@@ -471,6 +593,13 @@ def _experts(
 ) -> dict[str, torch.Tensor]:
     if arch.gpt_oss:
         return _gpt_oss_experts(checkpoint, moe + "experts.", dst, n, d, i)
+    if arch.llama4:  # [N, in, out]: gate columns, then up
+        gate_up = checkpoint.get(moe + "experts.gate_up_proj", (n, d, 2 * i)).transpose(1, 2)
+        return {
+            dst + "gate_proj.weight": gate_up[:, :i].contiguous(),
+            dst + "up_proj.weight": gate_up[:, i:].contiguous(),
+            dst + "down_proj.weight": checkpoint.get(moe + "experts.down_proj", (n, i, d)).transpose(1, 2).contiguous(),
+        }
     if arch.expert_names is None:
         return _fused_glu(checkpoint, moe, dst, (n,), d, i)
     src = moe + "experts."
@@ -483,6 +612,15 @@ def _experts(
         }
     per_expert = [_glu(checkpoint, f"{src}{e}.", "", arch.expert_names, d, i) for e in range(n)]
     return {f"{dst}{name}": torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
+
+
+def _pairs_to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection, per head, reordered from rotary on interleaved pairs (Llama 4: (x0, x1),
+    (x2, x3), ..., as complex numbers) to rotary on halves (x_j with x_{j + Dh/2}), the convention moe-serve
+    computes: the same permutation on q and k leaves every q . k, the per-head L2 norm and the output as
+    they were."""
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return weight.reshape(-1, head_dim, weight.shape[-1])[:, order].reshape(weight.shape).contiguous()
 
 
 def _gpt_oss_experts(
@@ -522,7 +660,7 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
     src = Path(src)
     if not src.is_dir():
         raise ExportError(f"{src} is not a directory")
-    hf = read_json(src / "config.json")
+    hf, prefix = _text_model(read_json(src / "config.json"))
     name, _ = _architecture(hf)
     if not (src / "tokenizer.json").is_file():
         raise ExportError(
@@ -531,6 +669,8 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
     tokenizer = Tokenizer.from_file(src / "tokenizer.json")
     config = convert_config(hf, tokenizer, _chat_template(src))
     checkpoint = SafetensorsCheckpoint.from_directory(src)
+    if prefix:
+        checkpoint = checkpoint.under(prefix)
     state = convert_weights(hf, config, checkpoint, progress=options.progress)
     provenance = {
         "exporter": "exporters.hf",
@@ -541,6 +681,24 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
         f"({config.moe.router.describe() if config.moe else None})",
     }
     return write(dst, config, state, tokenizer, provenance, options)
+
+
+# Multimodal checkpoints whose text model is a family above: its architecture, and where its tensors sit.
+TEXT_MODELS = {"Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.")}
+
+
+def _text_model(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A multimodal config.json -> its text model's config (as that architecture) and the prefix of its tensors
+    in the checkpoint; any other config as it is, with no prefix. Only text is served: the vision tower and
+    projector are not read."""
+    for name in hf.get("architectures") or []:
+        if name in TEXT_MODELS:
+            text, prefix = TEXT_MODELS[name]
+            if not isinstance(hf.get("text_config"), dict):
+                raise ExportError(f"config.json: {name} needs a text_config object")
+            logger.warning("%s: exporting its text model only (images are not served)", name)
+            return {**hf["text_config"], "architectures": [text]}, prefix
+    return hf, ""
 
 
 def _chat_template(src: Path) -> str | None:

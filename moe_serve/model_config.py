@@ -25,7 +25,7 @@ ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swigluoai"]
 Pooling = Literal["mean", "first", "last"]
 QKNorm = Literal["per_head", "full"]
-RopeType = Literal["linear", "yarn", "longrope"]
+RopeType = Literal["linear", "yarn", "longrope", "llama3"]
 
 
 # Upper bounds on sizes: far above any model served on one machine, and low enough that a corrupted or
@@ -111,6 +111,9 @@ class MoEConfig:
     # HyperMoE (router kind hyper_expert): the adapter added, ungated, to every token's routed output; one
     # per selected set of the trained k (C(N, k) of them, in routers.hyper_expert.selected_sets order).
     hyper_expert: FFNConfig | None = None
+    # Llama 4: each chosen expert runs on the token times its routing weight, and the experts' outputs are
+    # summed unweighted (else: each output times its weight). The same for linear experts, not for others.
+    weights_scale_input: bool = False
 
     def __post_init__(self) -> None:
         check_size("moe.num_experts", self.num_experts, MAX_EXPERTS)
@@ -192,11 +195,25 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     truncate: bool = True
     short_factor: tuple[float, ...] | None = None  # longrope: one divisor per frequency (head_dim / 2)
+    # llama3 (Llama 3.1, Llama 4): wavelengths above original / low_freq_factor are divided by `factor`, those
+    # below original / high_freq_factor kept, those between interpolated
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
 
     def __post_init__(self) -> None:
         check_choice("rope_scaling.type", self.type, RopeType)
         check_float("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
-        if self.type in ("yarn", "longrope") and self.original_max_position_embeddings is None:
+        if self.type == "llama3":
+            if self.low_freq_factor is None or self.high_freq_factor is None:
+                raise ConfigError("rope_scaling of type llama3 needs low_freq_factor and high_freq_factor")
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ConfigError(
+                    "rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor; got "
+                    f"{self.low_freq_factor}, {self.high_freq_factor}"
+                )
+        elif (self.low_freq_factor, self.high_freq_factor) != (None, None):
+            raise ConfigError(f"rope_scaling low/high_freq_factor go with type llama3 only; got type {self.type}")
+        if self.type in ("yarn", "longrope", "llama3") and self.original_max_position_embeddings is None:
             raise ConfigError(f"rope_scaling of type {self.type} needs original_max_position_embeddings")
         if self.type == "longrope":
             if self.short_factor is None or self.attention_factor is None:
@@ -223,6 +240,7 @@ class LayerAttention:
     window: int | None = None  # each query sees its last `window` keys, itself included
     chunk: int | None = None  # each query sees the keys of its own chunk of `chunk` positions
     rotary: bool = True  # False: q and k of this layer get no rotary embedding (NoPE)
+    qk_norm: bool = True  # False: this layer skips the model's q/k norm (Llama 4's NoPE layers)
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
@@ -231,6 +249,19 @@ class LayerAttention:
 
 
 PLAIN_ATTENTION = LayerAttention()
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTemperature:
+    """Llama 4's temperature tuning on its layers without rotary (arXiv 2501.19399): the query at position p is
+    multiplied by log(floor((p + 1) / floor_scale) + 1) * scale + 1, so attention sharpens with distance."""
+
+    floor_scale: float
+    scale: float
+
+    def __post_init__(self) -> None:
+        check_float("attention_temperature.floor_scale", self.floor_scale, 0.0, 1e12, low_open=True)
+        check_float("attention_temperature.scale", self.scale, 0.0, 1e6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +337,7 @@ class ModelConfig:
     # One entry per layer when layers attend differently (windows, local chunks, NoPE); None: all plain.
     layer_attention: tuple[LayerAttention, ...] | None = None
     attention_sinks: bool = False  # per layer, a learned logit per query head in the softmax's denominator
+    attention_temperature: AttentionTemperature | None = None  # on the layers without rotary (layer_attention)
     latent_attention: LatentAttentionConfig | None = None  # MLA in every layer (DeepSeek-V2/V3); None: q/k/v
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
@@ -401,6 +433,8 @@ class ModelConfig:
     def _check_layer_attention(self) -> None:
         spans = self.layer_attention
         if spans is None:
+            if self.attention_temperature is not None:
+                raise ConfigError("attention_temperature applies to layers without rotary; layer_attention has none")
             return
         if len(spans) != self.num_layers:
             raise ConfigError(f"layer_attention needs one entry per layer ({self.num_layers}); got {len(spans)}")
@@ -408,6 +442,8 @@ class ModelConfig:
             raise ConfigError("layer_attention: sliding windows and local chunks need a causal model")
         if self.position != "rotary" and any(not a.rotary for a in spans):
             raise ConfigError(f"layer_attention: rotary false needs position rotary; got position {self.position}")
+        if self.attention_temperature is not None and all(a.rotary for a in spans):
+            raise ConfigError("attention_temperature applies to layers without rotary; layer_attention has none")
 
     @property
     def attention_features(self) -> tuple[str, ...]:
@@ -418,10 +454,20 @@ class ModelConfig:
             "sliding-window attention": any(a.window is not None for a in spans),
             "local attention chunks": any(a.chunk is not None for a in spans),
             "layers without rotary (NoPE)": any(not a.rotary for a in spans),
+            "attention temperature tuning": self.attention_temperature is not None,
             "attention sinks": self.attention_sinks,
             "multi-head latent attention": self.latent_attention is not None,
         }
         return tuple(name for name, used in found.items() if used)
+
+    @property
+    def attention_reach(self) -> int | None:
+        """When every layer reads only recent keys (a window, or its local chunk): the most keys back any query
+        reads, itself included; blocks of keys wholly before that can be freed. None: some layer reads all."""
+        spans = self.layer_attention
+        if spans is None or any(a.window is None and a.chunk is None for a in spans):
+            return None
+        return max(min(n for n in (a.window, a.chunk) if n is not None) for a in spans)
 
     def attention_of(self, index: int) -> LayerAttention:
         """Layer `index`'s attention span and positions."""

@@ -35,6 +35,17 @@ def summarize(path: Path) -> dict[str, Any]:
         "parameters": {"total": total},
         "provenance": manifest.get("provenance", {}),
     }
+    if config.latent_attention is not None:  # MLA: head_dim above is its rope part; the cache holds latents
+        mla = config.latent_attention
+        summary["architecture"]["latent_attention"] = {
+            "q_lora_rank": mla.q_lora_rank,
+            "kv_lora_rank": mla.kv_lora_rank,
+            "qk_nope_head_dim": mla.qk_nope_head_dim,
+            "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "v_head_dim": mla.v_head_dim,
+            "cached_values_per_token_per_layer": mla.cache_width,
+            "per_head_kv_values_per_token_per_layer": mla.full_kv_width(config.num_heads),
+        }
     if config.classifier is not None:
         summary["labels"] = list(config.classifier.labels)
     moe = config.moe
@@ -88,6 +99,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{arch['position']} positions, {arch['norm']}, vocab {arch['vocab_size']}, "
         f"context {arch['max_position_embeddings']}"
     )
+    mla = arch.get("latent_attention")
+    if mla:
+        lines.append(
+            f"  latent attention: kv_lora_rank {mla['kv_lora_rank']}, q_lora_rank {mla['q_lora_rank']}, per head "
+            f"nope {mla['qk_nope_head_dim']} + rope {mla['qk_rope_head_dim']}, v {mla['v_head_dim']}; the KV cache "
+            f"holds {mla['cached_values_per_token_per_layer']} values per token per layer (per-head keys and values: "
+            f"{mla['per_head_kv_values_per_token_per_layer']})"
+        )
     lines.append(f"  dense FFN: {arch['dense_ffn']}")
     if "labels" in summary:
         lines.append(f"  labels: {', '.join(summary['labels'])}")

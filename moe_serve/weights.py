@@ -7,8 +7,9 @@ A weight is packable when the runtime reads it only through the kernels' linear 
 untied LM head. Everything else stays as it is: router weights and norms (router math is fp32: a quantized
 router flips top-k sets), embeddings (a lookup, not a product), classifier heads, Transformer-XL's
 positional projection (applied once at load), HyperMoE's adapter table, SMEAR's banks (their parameters
-are averaged per input, so they are read as floats) and the output projection of a layer whose router
-reads attention (it reads W_O's columns per head).
+are averaged per input, so they are read as floats), the output projection of a layer whose router
+reads attention (it reads W_O's columns per head) and latent attention's kv_b_proj (read per head as the
+absorbed key and value maps, moe_serve/layers/latent_attention.py).
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def packable_weights(config: ModelConfig, fmt: WeightFormat) -> dict[str, tuple[
     names = []
     for i in range(config.num_layers):
         attn = f"layers.{i}.attn"
-        names += [f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"]
+        if config.latent_attention is not None:  # kv_b_proj stays float: it is read per head (Wuk, Wuv)
+            q = ("q_proj",) if config.latent_attention.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+            names += [f"{attn}.{name}.weight" for name in (*q, "kv_a_proj")]
+        else:
+            names += [f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"]
         moe = config.moe if config.is_moe_layer(i) else None
         kind = router_class(moe.router.kind) if moe is not None else None
         if kind is None or not kind.reads_attention:

@@ -88,7 +88,12 @@ def unsupported(config: ModelConfig) -> list[str]:
         )
     elif config.position != "rotary":
         problems.append(f"position {config.position} (the plugin implements rotary positions)")
-    if config.head_dim not in CPU_HEAD_SIZES and _on_cpu():
+    if config.latent_attention is not None:  # named before its head_dim, the rope part only, is
+        problems.append(
+            "multi-head latent attention (latent_attention, DeepSeek): the plugin's attention is vLLM's over "
+            "per-head keys and values"
+        )
+    elif config.head_dim not in CPU_HEAD_SIZES and _on_cpu():
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         problems.append(f"head_dim {config.head_dim} (vLLM's CPU attention takes {sizes})")
     if config.moe is not None:

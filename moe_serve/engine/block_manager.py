@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 from moe_serve.engine.sequence import Sequence
 
+# A block table entry whose block was given back (release_before): never read, as no query reaches it. A
+# valid index (the last block), so gathers that read whole tables stay in bounds; their rows are dropped.
+RELEASED = -1
+
 
 @dataclass(slots=True)
 class Block:
@@ -130,13 +134,27 @@ class BlockManager:
             self._by_hash[parent] = block.block_id
             seq.block_hashes.append(parent)
 
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """Give back the blocks wholly before `position`, which no later query of `seq` reads (a model whose
+        every layer attends to a window: SchedulerConfig.attention_reach). Their table entries become RELEASED;
+        the blocks keep their hashes, so the prefix stays findable until they are reused."""
+        for i in range(seq.num_released_blocks, min(position // self.block_size, len(seq.block_table))):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+            seq.num_released_blocks = i + 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first (so a shared prefix outlives its tails)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            if block_id != RELEASED:
+                self._release(block_id)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -47,6 +47,14 @@ class InputProcessor:
             return 1
         if value is None:
             return moe.default_k
+        if isinstance(value, int) and not isinstance(value, bool) and value > moe.max_k:
+            reason = router_class(moe.router.kind).max_k_reason(moe)  # the kind's own rule bounds k (group limits)
+            if reason is not None:
+                raise ValidationError(
+                    f"experts_per_token must be between {moe.min_k} and {moe.max_k}, got {value}: {reason}",
+                    parameter="experts_per_token",
+                    value=value,
+                )
         check_int("experts_per_token", value, moe.min_k, moe.max_k)
         assert isinstance(value, int)  # check_int refused anything else ("auto" is resolved before this)
         return value

@@ -1,6 +1,7 @@
-"""The paged KV cache: per layer, keys and values in fixed-size blocks (layout: kernels.ops.cache_shapes), plus the
-per-token state of stateful routers, block-aligned with the keys. The pool is sized once, from a memory
-budget in bytes, and never grows: what is allocated is what the budget allows, and no more.
+"""The paged KV cache: per layer, keys and values in fixed-size blocks (layout: kernels.ops.cache_shapes), or for
+a latent-attention model each token's latent (kernels.latent: kv_lora_rank + qk_rope_head_dim values per
+layer), plus the per-token state of stateful routers, block-aligned with the keys. The pool is sized once, from
+a memory budget in bytes, and never grows: what is allocated is what the budget allows, and no more.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.kernels.latent import LatentCache, latent_cache_shape
 from moe_serve.kernels.ops import cache_shapes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
@@ -40,7 +42,10 @@ def router_state_sizes(config: ModelConfig) -> dict[int, int]:
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     assert config.num_kv_heads is not None and config.head_dim is not None
     element = torch.tensor([], dtype=dtype).element_size()
-    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+    if config.latent_attention is not None:  # the latent and rope key, shared by the heads: no per-head K, V
+        kv = config.num_layers * config.latent_attention.cache_width * element
+    else:
+        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
     return kv + 4 * sum(router_state_sizes(config).values())
 
 
@@ -63,10 +68,16 @@ class KVCache:
         # 2 MiB of pool growth stalled: on the development VM a first-touched huge page took 3-4.5 ms against
         # 0.65 ms for the same bytes in 4 KiB pages, and with the tiny benchmark model's 8 tensors the step
         # crossing block 256 took 70 ms against 6 ms decodes.
-        self.layers = [
-            (torch.empty(keys, dtype=dtype, device=device), torch.empty(values, dtype=dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.latent: list[LatentCache] = []  # a latent-attention model's, in place of `layers`
+        if config.latent_attention is not None:
+            rows = latent_cache_shape(shape.num_blocks + 1, shape.block_size, config.latent_attention.cache_width)
+            self.latent = [LatentCache(torch.empty(rows, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+        else:
+            self.layers = [
+                (torch.empty(keys, dtype=dtype, device=device), torch.empty(values, dtype=dtype, device=device))
+                for _ in range(config.num_layers)
+            ]
         self.router_states = {
             layer: torch.zeros(shape.num_tokens, size, device=device, dtype=torch.float32)
             for layer, size in router_state_sizes(config).items()

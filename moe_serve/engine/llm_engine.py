@@ -57,6 +57,8 @@ class LLMEngine:
             long_prefill_chunk=config.long_prefill_chunk,
             max_long_prefills=config.max_long_prefills,
             long_prefill_alone_seconds=config.long_prefill_alone_ms / 1000,
+            # a router that keeps per-token state reads every earlier token's (graph-of-tokens routing)
+            attention_reach=self.model_config.attention_reach if not router_state_sizes(self.model_config) else None,
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self._calibrate_costs(config)

@@ -120,6 +120,7 @@ class TorchRunner:
             slot_mapping=slot_mapping,
         )
         caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
+        latent = self.cache.latent if (self.cache is not None and block_tables is not None) else None
         states = self.cache.router_states if (caches is not None and self.cache is not None) else None
         block_size = self.cache.shape.block_size if self.cache is not None else 0
         per_token = torch.tensor(lens, device=device)
@@ -138,7 +139,15 @@ class TorchRunner:
         token_k = tokens([spec.k for spec in specs], torch.int64)
         max_k = max(spec.k for spec in specs)
         return ForwardBatch(
-            attention, token_k, max_k, caches, states, block_size, adaptive, decode_stack=self.decode_stack
+            attention,
+            token_k,
+            max_k,
+            caches,
+            states,
+            block_size,
+            adaptive,
+            decode_stack=self.decode_stack,
+            latent_caches=latent or None,
         )
 
     def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int] | None]]:

@@ -51,6 +51,9 @@ class SchedulerConfig:
     # When long prompts are all a step runs, their chunks may cost this many seconds (bulk scoring keeps its
     # throughput; a request arriving meanwhile waits at most this long for the step in flight).
     long_prefill_alone_seconds: float = 0.2
+    # Every layer reads at most this many most recent keys (ModelConfig.attention_reach): the blocks wholly
+    # before a sequence's reach are freed as it advances. None: a sequence keeps all its blocks.
+    attention_reach: int | None = None
 
 
 @dataclass(slots=True)
@@ -248,11 +251,14 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput) -> None:
         """After the runner computed a step: advance each sequence and publish its full blocks."""
+        reach = self.config.attention_reach
         for item in output.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.end
             if seq.uses_kv_cache:
                 self.blocks.commit(seq)
+                if reach is not None:  # the next query, at num_computed_tokens, reads from reach - 1 back
+                    self.blocks.release_before(seq, seq.num_computed_tokens - reach + 1)
 
     def finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         """End a sequence (stop, length, abort, error) and give its blocks back, wherever it is."""

@@ -43,6 +43,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading entries of block_table given back (BlockManager.release_before)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks in block_table, in order
     # Results.
     output_logprobs: list[float] = field(default_factory=list)

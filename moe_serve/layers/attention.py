@@ -22,7 +22,7 @@ from moe_serve.kernels.packed import PackedWeight
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
-from moe_serve.model_config import ModelConfig
+from moe_serve.model_config import AttentionTemperature, ModelConfig
 
 
 class Attention(nn.Module):
@@ -45,8 +45,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
         if config.attention_sinks:  # gpt-oss: one logit per query head beside every softmax's scores
             self.sinks = nn.Parameter(torch.zeros(h))
-        self.qk_norm = config.qk_norm
-        if config.qk_norm is not None:
+        self.qk_norm = config.qk_norm if span.qk_norm else None
+        # Llama 4: the queries of its layers without rotary are scaled up with their position
+        self.temperature = config.attention_temperature if not span.rotary else None
+        if self.qk_norm is not None:
             # per_head: one RMSNorm over each head's Dh (Qwen3-MoE); full: over all heads at once (OLMoE).
             q_dim, k_dim = (dh, dh) if config.qk_norm == "per_head" else (h * dh, g * dh)
             self.q_norm = RMSNorm(q_dim, config.norm_eps)
@@ -142,6 +144,8 @@ class Attention(nn.Module):
             rotary = (self._rotary[0][positions], self._rotary[1][positions])  # cos, sin [T, Dh]
         cache = None if batch.kv_caches is None else batch.kv_caches[layer]
         q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention)
+        if self.temperature is not None:
+            q = q * _temperature(self.temperature, batch.attention.positions)[:, None, None].to(q.dtype)
         relative = None
         if self._r_k is not None:
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
@@ -179,6 +183,11 @@ class AttentionInputs:
     scale: float
     cache: tuple[torch.Tensor, torch.Tensor] | None  # the layer's paged keys and values
     o_weight: torch.Tensor  # [D, H * Dh] the output projection (head h's slice: W_O^h)
+
+
+def _temperature(t: AttentionTemperature, positions: torch.Tensor) -> torch.Tensor:
+    """[T] the query scale at each position (AttentionTemperature), in transformers' operations."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
 
 
 def _fuse(tensors: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWeight:

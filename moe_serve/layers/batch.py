@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from moe_serve.kernels.graph import GraphCache, PaddedBatch
+from moe_serve.kernels.latent import LatentCache
 from moe_serve.kernels.ops import AttentionBatch
 
 
@@ -41,6 +42,8 @@ class ForwardBatch:
     # The runner's models.decode_stack.DecodeStack: the model runs the step's layers through it when it accepts
     # the batch (a decode-only CPU step), else layer by layer.
     decode_stack: Any = None
+    # Per layer of a latent-attention model, its latent cache (kernels.latent) in place of keys and values.
+    latent_caches: list[LatentCache] | None = None
 
     @classmethod
     def whole_sequences(cls, lengths: list[int], ks: list[int], device: torch.device | str = "cpu") -> ForwardBatch:

@@ -40,6 +40,11 @@ class MoEBlock(nn.Module):
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.router_kind: Router = router_class(config.router.kind)(config.router, config.num_experts)
+        # The kind's own tensors (DeepSeek-V3's correction bias) live on the router linear: `moe.router.<name>`,
+        # stored and loaded in fp32 as its weight is; the kind gets them through bind.
+        self._kind_tensors = tuple(type(self.router_kind).tensor_shapes(config.router, config.num_experts).items())
+        for name, shape in self._kind_tensors:
+            self.router.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self._stateful = type(self.router_kind).state_size(config.num_experts, hidden_size) > 0
         if config.hyper_expert is not None:  # HyperMoE: one adapter per selected set (routers.hyper_expert)
             self.hyper = ExpertBank(config.hyper_expert, hidden_size, config.num_patterns)
@@ -77,10 +82,15 @@ class MoEBlock(nn.Module):
     def _router_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.router.weight.float(), None if self.router.bias is None else self.router.bias.float()
 
+    def _bind_kind_tensors(self) -> None:
+        if self._kind_tensors:
+            self.router_kind.bind({name: getattr(self.router, name).float() for name, _ in self._kind_tensors})
+
     @torch.no_grad()
     def prepare(self) -> None:
         """After loading: the router in fp32 and the expert bank in the kernel's terms, looked up once."""
         self._router = self._router_weights()
+        self._bind_kind_tensors()
         self._bank = self.experts.weights()
         self._hyper_bank = self.hyper.weights() if self.config.hyper_expert is not None else None
 
@@ -99,6 +109,8 @@ class MoEBlock(nn.Module):
                 cache = batch.router_states[layer] if batch.router_states else None
                 moe_layer = self.config.layers.index(layer) if layer in self.config.layers else 0
                 state = RouterState(cache, batch.attention, batch.block_size, x, attention, moe_layer)
+            if self._router is None:  # not prepared (a block used on its own): the kind's tensors as they are now
+                self._bind_kind_tensors()
             logits = self.router_logits(x)
             token_k = batch.token_k
             if batch.adaptive_k is not None:  # only kinds with top_p_defined get here (moe_serve.engine.inputs)
@@ -108,7 +120,7 @@ class MoEBlock(nn.Module):
                 adaptive.experts_used[layer].index_add_(0, batch.attention.seq_ids, token_k)
             topk_ids, topk_weights = self.router_kind.route(logits, token_k, batch.max_k, state)
             self._count(topk_ids, batch)
-            out = ops.moe_experts(x, self._bank_ids(topk_ids), topk_weights, self._bank or self.experts.weights())
+            out = self._routed_experts(x, self._bank_ids(topk_ids), topk_weights)
             if self.config.hyper_expert is not None:
                 out = out + self._hyper_experts(x, topk_ids)
         if self.config.shared_expert is not None:
@@ -116,6 +128,21 @@ class MoEBlock(nn.Module):
             if self.config.shared_expert_gate:
                 shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
+        return out
+
+    def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j w_j E_j(x), or with MoEConfig.weights_scale_input (Llama 4) sum_j E_j(w_j x): then each slot is
+        a row of its own with weight 1, and the rows are added in slot order (batch-invariant)."""
+        bank = self._bank or self.experts.weights()
+        if not self.config.weights_scale_input:
+            return ops.moe_experts(x, ids, weights, bank)
+        t, k = ids.shape
+        scaled = (x[:, None, :] * weights[..., None].to(x.dtype)).reshape(t * k, -1)  # [T * K, D]
+        ones = torch.ones(t * k, 1, dtype=torch.float32, device=x.device)
+        per_slot = ops.moe_experts(scaled, ids.reshape(t * k, 1), ones, bank).reshape(t, k, -1)  # unused slot: 0
+        out = per_slot[:, 0]
+        for j in range(1, k):
+            out = out + per_slot[:, j]
         return out
 
     def _bank_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:

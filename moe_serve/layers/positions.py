@@ -21,11 +21,26 @@ def rotary_inv_freq(
         return inv_freq, 1.0
     if scaling.type == "linear":
         return inv_freq / scaling.factor, 1.0
+    if scaling.type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
     if scaling.type == "longrope":  # the short regime (RopeScaling), in transformers' order of operations
         assert scaling.short_factor is not None and scaling.attention_factor is not None
         factors = torch.tensor(scaling.short_factor, dtype=torch.float32, device=device)
         return 1.0 / (factors * theta**exponents), scaling.attention_factor
     return _yarn(dim, theta, scaling, exponents)
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling, in transformers' order of operations."""
+    assert s.original_max_position_embeddings is not None and s.low_freq_factor and s.high_freq_factor
+    original = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _yarn(dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:

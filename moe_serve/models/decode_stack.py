@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | None:
     """Why the decode stack cannot run this model's decode steps (None: it can)."""
     config = model.config
+    if config.latent_attention is not None:  # its cache holds latents, not the keys and values the stack reads
+        return "its layers run plain attention only (this model has multi-head latent attention)"
     if cache is None or cache.layers[0][0].device.type != "cpu" or cpu_extension() is None:
         return "it runs on the CPU kernels, with a KV cache"
     if model.embed_tokens.weight.dtype != torch.float32 or cache.layers[0][0].dtype != torch.float32:
@@ -91,6 +93,7 @@ class DecodeStack:
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, moe = layer.attn, layer.moe
+            assert isinstance(attn, Attention)  # unsupported_reason refuses every other attention
             assert attn._qkv is not None and attn._o is not None and moe._router is not None and moe._bank is not None
             self._rotary = attn._rotary
             bank = moe._bank

@@ -17,9 +17,15 @@ from moe_serve.kernels import ops
 from moe_serve.layers.attention import Attention, AttentionInputs
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.ffn import FFN
+from moe_serve.layers.latent_attention import LatentAttention
 from moe_serve.layers.moe import MoEBlock
 from moe_serve.layers.norm import make_norm
 from moe_serve.model_config import ModelConfig
+
+
+def _attention(config: ModelConfig, index: int) -> Attention | LatentAttention:
+    """Layer `index`'s attention: multi-head latent attention when the config has it (DeepSeek), else q/k/v."""
+    return LatentAttention(config, index) if config.latent_attention is not None else Attention(config, index)
 
 
 class DecoderLayer(nn.Module):
@@ -33,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.is_pre_norm = config.norm_position == "pre"
         self.residual_scale = config.residual_scale
         self.attn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
-        self.attn: Attention = attention if attention is not None else Attention(config, index)
+        self.attn: Attention | LatentAttention = attention if attention is not None else _attention(config, index)
         self.ffn_norm = make_norm(config.norm, config.hidden_size, config.norm_eps)
         self.is_moe = config.is_moe_layer(index)
         if self.is_moe:
@@ -47,6 +53,7 @@ class DecoderLayer(nn.Module):
 
     def _attn(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, AttentionInputs | None]:
         if self.is_moe and self.moe.router_kind.reads_attention:
+            assert isinstance(self.attn, Attention)  # ModelConfig refuses such a kind with latent attention
             return self.attn.forward_with_inputs(x, batch, self.index)
         return self.attn(x, batch, self.index), None
 

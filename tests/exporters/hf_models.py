@@ -12,6 +12,8 @@ from transformers import (
     GraniteMoeForCausalLM,
     GraniteMoeSharedConfig,
     GraniteMoeSharedForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -87,6 +89,22 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_parameters={**YARN, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
         tie_word_embeddings=False)),
+    # Mixtral with a sliding window (of 8, shorter than the 36 tokens tested): every layer slides, so blocks
+    # leaving the window are given back.
+    "mixtral_window": (MixtralForCausalLM, lambda: MixtralConfig(
+        **COMMON, intermediate_size=96, num_hidden_layers=2, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=512)),
+    # Llama 4's conventions: MoE on alternate layers beside dense ones, a shared expert, the sigmoid router
+    # scaling the expert's input, local chunks of 8 (36 tokens tested) on the rotary layers with the L2 q/k
+    # norm, a global layer without rotary with temperature tuning (a floor_scale small enough to vary), llama3
+    # rotary scaling on interleaved pairs.
+    "llama4": (Llama4ForCausalLM, lambda: Llama4TextConfig(
+        **COMMON, head_dim=16, intermediate_size=48, intermediate_size_mlp=80, num_hidden_layers=4,
+        num_local_experts=NUM_EXPERTS, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
+        no_rope_layers=[1, 1, 1, 0], use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
 }
 # fmt: on
 ALL = {**MODELS, **FAMILIES}

@@ -11,6 +11,7 @@ equal to the original, bit for bit, at two): moe-serve's meaning of k for that r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -86,10 +87,12 @@ def transformers_model(src: Path, name: str, k: int, monkeypatch: pytest.MonkeyP
 
 
 def _k(src: Path, which: str) -> int:
-    """The trained k (the source's num_experts_per_tok), 1, or the largest (every expert)."""
+    """The trained k (the source's num_experts_per_tok); 1, or 2 where 1 is the trained k (Llama 4), so
+    that three k are tested; or the largest (every expert)."""
+    trained = json.loads((src / "config.json").read_text())["num_experts_per_tok"]
     if which == "trained":
-        return json.loads((src / "config.json").read_text())["num_experts_per_tok"]
-    return 1 if which == "1" else NUM_EXPERTS
+        return trained
+    return (2 if trained == 1 else 1) if which == "small" else NUM_EXPERTS
 
 
 def test_sparsemixer_steps_is_transformers_sparsemixer_at_two_steps() -> None:
@@ -111,7 +114,7 @@ def test_the_router_kind_is_transformers_sparsemixer_at_two_and_its_steps_at_eve
     assert router.is_approximate(1, NUM_EXPERTS, 2) and not router.is_approximate(2, NUM_EXPERTS, 2)
 
 
-@pytest.mark.parametrize("which", ["trained", "1", "max"])
+@pytest.mark.parametrize("which", ["trained", "small", "max"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_tokens_and_logprobs_equal_transformers_through_prefill_chunks_and_decode(
     exported, engines, monkeypatch, name: str, which: str
@@ -199,13 +202,17 @@ def _edit_config(src: Path, **changes) -> None:
 def test_what_cannot_be_served_exactly_is_refused_by_name(tmp_path: Path, caplog) -> None:
     phi = save_hf_model("phimoe", tmp_path / "phi")
     dst = tmp_path / "dst"
-    _edit_config(phi, sliding_window=32)
-    with pytest.raises(ExportError, match="sliding-window attention is not supported.*sliding_window 32, shorter"):
-        export_hf(phi, dst, NO_PROGRESS)
-    _edit_config(phi, sliding_window=256)  # wider than every position served: nothing to refuse
+    _edit_config(phi, sliding_window=32)  # transformers' Phi slides in every layer: served as such
+    windowed = LLM(export_hf(phi, tmp_path / "window", NO_PROGRESS)).config
+    assert [a.window for a in windowed.layer_attention] == [32, 32]
+    _edit_config(phi, sliding_window=1024)  # wider than every position served: nothing to serve
     with caplog.at_level(logging.WARNING):
-        export_hf(phi, tmp_path / "wide-window", NO_PROGRESS)
+        assert LLM(export_hf(phi, tmp_path / "wide-window", NO_PROGRESS)).config.layer_attention is None
     assert "max_position_embeddings 512 is capped to it" in caplog.text
+    qwen = save_hf_model("qwen2_moe", tmp_path / "qwen")
+    _edit_config(qwen, use_sliding_window=True, sliding_window=16)  # its own rule for which layers slide
+    with pytest.raises(ExportError, match="use_sliding_window is not supported .sliding_window 16, shorter"):
+        export_hf(qwen, dst, NO_PROGRESS)
     _edit_config(phi, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(ExportError, match="rope type 'yarn' is not supported for phimoe .supported: default, longrope"):
         export_hf(phi, dst, NO_PROGRESS)
@@ -308,3 +315,108 @@ def test_paths_without_windows_or_sinks_refuse_gpt_oss_by_name(exported, tmp_pat
     assert (
         reason == "sliding-window attention, attention sinks run the torch attention, which reads lengths on the host"
     )
+
+
+def test_llama4_conventions_in_the_artifact_and_each_one_matters(exported) -> None:
+    """Chunks on the rotary layers, a global NoPE layer with temperature tuning and without the q/k norm, the
+    sigmoid router scaling each expert's input; serving the same weights without any one of these moves the
+    logits: the parity test sees each."""
+    src, artifact = exported["llama4"]
+    llm = LLM(artifact)
+    config = llm.config
+    assert [(a.chunk, a.rotary, a.qk_norm) for a in config.layer_attention] == [(8, True, True)] * 3 + [
+        (None, False, False)
+    ]
+    assert (config.attention_temperature.floor_scale, config.attention_temperature.scale) == (4.0, 0.1)
+    assert config.moe.router.kind == "topk_sigmoid" and config.moe.weights_scale_input
+    assert config.moe.layers == (1, 3) and config.ffn.intermediate_size == 80 and config.moe.shared_expert
+    assert config.rope_scaling.type == "llama3" and config.qk_norm == "per_head"
+    sequence = torch.randint(0, 300, (1, 36), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = FAMILIES["llama4"][0].from_pretrained(src).eval()(sequence).logits[0]
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            hidden, _ = llm.engine.runner.forward_padded(sequence.tolist(), [1])
+            return llm.artifact.model.lm_logits(hidden)[0]
+
+    torch.testing.assert_close(logits(), want, atol=LOGITS_ATOL, rtol=0)
+    layers = llm.artifact.model.layers
+    moe_blocks = [layer.moe for layer in layers if layer.is_moe]
+    changes = [
+        (layers[0].attn, "chunk", None),  # a rotary layer attending past its chunk
+        (layers[3].attn, "temperature", None),  # the NoPE layer without temperature tuning
+        *((block, "config", dataclasses.replace(block.config, weights_scale_input=False)) for block in moe_blocks),
+    ]
+    for target, name, value in changes:
+        kept = getattr(target, name)
+        setattr(target, name, value)
+        assert (logits() - want).abs().max() > 1e-3, name
+        setattr(target, name, kept)
+    torch.testing.assert_close(logits(), want, atol=LOGITS_ATOL, rtol=0)
+    with pytest.raises(ExportError, match="does not support local attention chunks, layers without rotary"):
+        from moe_serve.exporters.onnx.export import check_exportable
+
+        check_exportable(config)
+
+
+@pytest.mark.slow
+def test_a_multimodal_llama4_checkpoint_exports_its_text_model(tmp_path: Path, caplog) -> None:
+    """Llama 4's released checkpoints are Llama4ForConditionalGeneration: the text model's config under
+    text_config and its tensors under language_model.; the export serves the text (greedy tokens equal
+    transformers' on text alone) and says the images are not served."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4VisionConfig
+
+    text = FAMILIES["llama4"][1]()
+    vision = Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vision_output_dim=32,
+        projector_input_dim=32, projector_output_dim=32, image_size=28, patch_size=14,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.15 + (1.0 if name.endswith("norm.weight") else 0.0))
+    src = tmp_path / "hf"
+    model.eval().save_pretrained(src)
+    reference = save_hf_model("llama4", tmp_path / "tokenizer-source")
+    shutil.copy(reference / "tokenizer.json", src / "tokenizer.json")
+    with caplog.at_level(logging.WARNING):
+        artifact = export_hf(src, tmp_path / "artifact", NO_PROGRESS)
+    assert "exporting its text model only (images are not served)" in caplog.text
+    prompt = torch.randint(0, 300, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    tokens = prompt[0].tolist()
+    with torch.no_grad():  # its own text model, greedy (its forward and generate fail on text alone in 5.24)
+        for _ in range(NEW):
+            tokens.append(int(model.language_model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    got = LLM(artifact).generate([prompt[0].tolist()], params)[0].outputs[0].token_ids
+    assert got == tokens[PROMPT:]
+
+
+@pytest.mark.slow
+def test_a_sliding_window_model_gives_back_the_blocks_its_window_left(exported, monkeypatch) -> None:
+    """Mixtral with a window of 8 keys on every layer, blocks of 16: over 200 generated tokens a sequence holds
+    at most the two blocks its window can span plus the one it fills, and its tokens still equal transformers'
+    (the window's keys are all there; no released block is read)."""
+    src, artifact = exported["mixtral_window"]
+    llm = LLM(artifact, EngineConfig(block_size=16))
+    assert llm.engine.scheduler.config.attention_reach == 8
+    held: list[int] = []
+    update = llm.engine.scheduler.update
+
+    def recording(output) -> None:
+        update(output)
+        held.append(llm.engine.blocks.num_used_blocks)
+
+    monkeypatch.setattr(llm.engine.scheduler, "update", recording)
+    prompt = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(6))
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    got = llm.generate([prompt[0].tolist()], params)[0].outputs[0].token_ids
+    with torch.no_grad():
+        model = FAMILIES["mixtral_window"][0].from_pretrained(src).eval()
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=200, do_sample=False)
+    assert got == want[0, 40:].tolist()
+    assert max(held[1:]) <= 3 and len(held) > 150  # 240 tokens would take 15 blocks without the release
+    assert llm.engine.blocks.num_used_blocks == 0  # and the finished sequence gave back the rest

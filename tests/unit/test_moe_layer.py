@@ -27,6 +27,7 @@ ROUTERS = {
     "similarity_bias": router_config("similarity", use_bias=True, tau=0.5),
     # Phi-3.5-MoE's router, with a threshold wide enough that each step's masked softmax holds several experts.
     "sparsemixer": router_config("sparsemixer", jitter_eps=0.2),
+    "topk_sigmoid": router_config("topk_sigmoid"),  # Llama 4's
 }
 EXPERTS = {
     "mlp_relu_bias": FFNConfig("mlp", 24, "relu", use_bias=True),

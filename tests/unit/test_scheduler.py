@@ -78,6 +78,31 @@ def test_preemption_frees_the_latest_and_recomputes_it_from_the_prefix_cache() -
     assert b.num_cached_tokens == 8 and b.num_preemptions == 1
 
 
+def test_a_windowed_model_gives_back_blocks_behind_every_window_and_keeps_shared_ones() -> None:
+    """attention_reach 5 (every layer reads at most its last 5 keys), blocks of 4: after each step the blocks
+    wholly before the next query's reach are released (table entry RELEASED); a block two sequences share
+    stays until both release it; a released block keeps its hash, so the prefix cache still finds it."""
+    from moe_serve.engine.block_manager import RELEASED
+
+    s = Scheduler(SchedulerConfig(8, 64, attention_reach=5), BlockManager(16, BS, True))
+    s.add(a := seq(10, name="a"))
+    run_step(s)  # 10 computed: the next query (position 10) reads from 6, so block 0 (positions 0-3) goes
+    second = a.block_table[1]
+    assert a.block_table[0] == RELEASED and s.blocks.num_used_blocks == 2
+    s.add(b := seq(10, name="b"))  # the same prompt: blocks 0 and 1 from the cache (0 revived from the free list)
+    run_step(s)  # a decodes (11 computed), b computes tokens 8 and 9 (10), then releases its block 0
+    assert b.num_cached_tokens == 8 and b.block_table[0] == RELEASED and b.block_table[1] == second
+    assert s.blocks.blocks[second].ref_count == 2  # a still reads it (positions 6, 7), and so does b
+    run_step(s)  # a: 12 computed, reads from 8: releases block 1; b: 11 computed, still reads it
+    assert a.block_table[1] == RELEASED and s.blocks.blocks[second].ref_count == 1
+    run_step(s)
+    assert b.block_table[1] == RELEASED and s.blocks.blocks[second].ref_count == 0
+    assert len(s.blocks.cached_prefix(seq(10, name="c"))) == 2  # both released blocks, still findable
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    assert s.blocks.num_used_blocks == 0
+
+
 def test_prefix_cache_hits_full_blocks_at_the_same_k_only() -> None:
     s = make(num_blocks=32, budget=100)
     s.add(first := seq(10, k=2, name="a"))

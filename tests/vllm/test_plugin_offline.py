@@ -16,6 +16,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 import moe_serve  # noqa: E402
+from moe_serve.model_config import LatentAttentionConfig  # noqa: E402
 from moe_serve.testing import create_random_artifact  # noqa: E402
 from tests.conftest import lm_config  # noqa: E402
 from tests.vllm.conftest import NUM_EXPERTS  # noqa: E402
@@ -146,6 +147,10 @@ def test_bad_k_is_refused_before_generation(vllm_llm, extra, message) -> None:
         (dict(position="relative"), "Transformer-XL relative attention"),
         (dict(hidden_size=32, num_heads=4, num_kv_heads=2), "head_dim 8"),
         (dict(attention_sinks=True), "does not support attention sinks"),  # gpt-oss (ModelConfig.attention_features)
+        (  # DeepSeek
+            dict(latent_attention=LatentAttentionConfig(16, 16, 8, 12), head_dim=8, num_kv_heads=4),
+            "multi-head latent attention",
+        ),
     ],
 )
 def test_what_vllm_cannot_run_is_refused_at_load_by_name(tmp_path, overrides, named) -> None:

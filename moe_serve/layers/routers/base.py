@@ -179,6 +179,22 @@ class Router:
         return ops.topk_route(logits, token_k, max_k, self.weighting)
 
     @classmethod
+    def tensor_shapes(cls, config: RouterConfig, num_experts: int) -> dict[str, tuple[int, ...]]:
+        """The kind's own tensors per MoE layer besides the router linear, name -> shape (DeepSeek-V3's
+        correction bias, say). The MoE block holds them on the router linear, so an artifact stores them as
+        `moe.router.<name>`, in fp32 as router weights are, and hands them to `bind` once loaded. {}: none."""
+        return {}
+
+    def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Receive the tensors of `tensor_shapes` (fp32), from MoEBlock.prepare after loading."""
+
+    @classmethod
+    def max_k_reason(cls, moe: MoEConfig) -> str | None:
+        """Why no k above the model's experts_per_token.max can be served, when the kind's own rule sets that
+        bound (a request past it is refused with this reason); None: the model's range alone."""
+        return None
+
+    @classmethod
     def state_size(cls, num_experts: int, hidden_size: int) -> int:
         """Floats the kind keeps per token in the paged cache for the later tokens of the sequence (0: none)."""
         return 0
