@@ -34,6 +34,7 @@ from moe_serve.exporters.base import (
 from moe_serve.layers.norm import NormKind
 from moe_serve.layers.routers import RouterConfig, router_config
 from moe_serve.model_config import (
+    MAX_POSITIONS,
     AttentionTemperature,
     ExpertsPerToken,
     FFNConfig,
@@ -81,6 +82,9 @@ class HFArchitecture:
     # weight scales each expert's input; local-chunk layers with rotary and the L2 q/k norm, global layers
     # without either (`no_rope_layers`), with temperature tuning; rotary on interleaved pairs (q/k rows permuted)
     llama4: bool = False
+    # transformers' defaults for keys a released config.json may omit, which change what the model computes
+    # (the config class's, so a missing key means here what it means there)
+    defaults: tuple[tuple[str, Any], ...] = ()
     dense_prefix: str = "mlp"  # a dense layer's FFN module
     dense_size_key: str = "intermediate_size"  # its width
     # DeepSeek-V2 / V3 (exporters/hf_deepseek.py): multi-head latent attention, first_k_dense_replace dense
@@ -170,6 +174,17 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         shared_expert=("feed_forward.shared_expert", "intermediate_size"),
         has_dense_layers=True,
         rope_types=("linear", "yarn", "llama3"),
+        defaults=(  # Llama4TextConfig's
+            ("attention_chunk_size", 8192),
+            ("use_qk_norm", True),
+            ("attn_temperature_tuning", True),
+            ("floor_scale", 8192),
+            ("attn_scale", 0.1),
+            ("rms_norm_eps", 1e-5),
+            ("no_rope_layer_interval", 4),
+            ("interleave_moe_layer_step", 1),
+            ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}),
+        ),
         llama4=True,
         dense_prefix="feed_forward",
         dense_size_key="intermediate_size_mlp",
@@ -185,6 +200,25 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         router_name="router",
         default_norm_topk_prob=True,  # softmax over the top-k logits
         attention_out_bias=True,
+        defaults=(  # GptOssConfig's
+            ("attention_bias", True),
+            ("swiglu_limit", 7.0),
+            ("swiglu_alpha", 1.702),
+            ("sliding_window", 128),
+            ("rms_norm_eps", 1e-5),
+            (
+                "rope_parameters",
+                {
+                    "rope_type": "yarn",
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 4096,
+                    "rope_theta": 150000.0,
+                },
+            ),  # fmt: skip
+        ),
         gpt_oss=True,
     ),
 }
@@ -206,6 +240,16 @@ def _architecture(hf: dict[str, Any]) -> tuple[str, HFArchitecture]:
     raise ExportError(
         f"unsupported architecture {', '.join(names) or '(none given)'}; supported: {', '.join(ARCHITECTURES)}"
     )
+
+
+def _resolved(hf: dict[str, Any]) -> tuple[dict[str, Any], HFArchitecture]:
+    """The config with its family's defaults (HFArchitecture.defaults) for the keys it omits (a key present as
+    null keeps null, as in transformers), and the family. A rotary default applies only where the config
+    gives no rotary settings of its own (rope_parameters, or the older rope_scaling and rope_theta)."""
+    _, arch = _architecture(hf)
+    own_rope = any(key in hf for key in ("rope_parameters", "rope_scaling", "rope_theta"))
+    defaults = {key: value for key, value in arch.defaults if not (key == "rope_parameters" and own_rope)}
+    return {**defaults, **hf}, arch
 
 
 def _moe_layers(hf: dict[str, Any], arch: HFArchitecture) -> tuple[int, ...]:
@@ -281,10 +325,17 @@ def _max_positions(hf: dict[str, Any], scaling: RopeScaling | None) -> int:
                 positions,
             )
             return original
+    if positions > MAX_POSITIONS:  # Llama 4 Scout declares 10M; the rotary tables are built for every position
+        logger.warning(
+            "max_position_embeddings %d is above the %d positions an artifact serves; capped to it",
+            positions,
+            MAX_POSITIONS,
+        )
+        return MAX_POSITIONS
     return positions
 
 
-def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: int) -> None:
+def _check_sliding_window(hf: dict[str, Any], positions: int) -> None:
     """A window that covers every position served changes nothing (Phi-3.5-MoE ships one of 131,072, its whole
     context). A shorter one is served where every layer slides (Mixtral, Phi: _layer_attention) or where
     layer_types say which do (gpt-oss); Qwen's use_sliding_window, with its own rule for which layers slide
@@ -297,21 +348,23 @@ def _check_sliding_window(hf: dict[str, Any], arch: HFArchitecture, positions: i
         )
 
 
-def _layer_attention(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, Any]:
+def _layer_attention(hf: dict[str, Any], arch: HFArchitecture, positions: int) -> dict[str, Any]:
     """gpt-oss: each layer's `layer_types` entry (sliding_attention: a window of `sliding_window` keys;
     full_attention) and the attention sinks; Llama 4: each layer's chunk, rotary and q/k norm, and the
     temperature tuning of its layers without rotary; as ModelConfig fields."""
     if arch.llama4:
         return _llama4_attention(hf)
     if arch.sliding_window:  # Mixtral, Phi: with sliding_window set, transformers' mask slides in every layer
-        window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
-        served = hf.get("max_position_embeddings", 2048)
-        if isinstance(window, int) and window < served:
-            return {"layer_attention": (LayerAttention(window=window),) * n}
+        window = hf.get("sliding_window")
+        if isinstance(window, int) and window < positions:  # a wider one changes nothing served
+            return {"layer_attention": (LayerAttention(window=window),) * hf["num_hidden_layers"]}
         return {}
     if not arch.gpt_oss:
         return {}
-    types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    # GptOssConfig's default: sliding on the even layers (0, 2, ...), full on the odd ones
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown or len(types) != hf["num_hidden_layers"]:
         raise ExportError(
@@ -326,15 +379,22 @@ def _layer_attention(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, Any]
 
 
 def _llama4_attention(hf: dict[str, Any]) -> dict[str, Any]:
-    n = hf["num_hidden_layers"]
-    rope = hf.get("no_rope_layers") or [1] * n  # 1: the layer uses rotary (transformers' naming)
-    types = hf.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in rope]
+    """Llama4TextConfig's rules: no_rope_layers (1: the layer uses rotary), when empty every
+    no_rope_layer_interval-th layer without; layer_types, when absent, chunked on the rotary layers if a
+    chunk size is set."""
+    if hf.get("attention_bias"):  # no released Llama 4 has them; their rows would need the rotary reorder too
+        raise ExportError("config.json: attention_bias true is not supported for llama4")
+    n, chunk = hf["num_hidden_layers"], hf.get("attention_chunk_size")
+    interval = hf["no_rope_layer_interval"]
+    rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    types = hf.get("layer_types") or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in rope
+    ]
     if len(rope) != n or len(types) != n or set(types) - {"chunked_attention", "full_attention"}:
         raise ExportError(
             f"config.json: no_rope_layers and layer_types need one entry per layer ({n}), layer_types "
             f"chunked_attention or full_attention; got {rope!r}, {types!r}"
         )
-    chunk = hf.get("attention_chunk_size")
     spans = tuple(
         LayerAttention(
             chunk=chunk if t == "chunked_attention" else None, rotary=bool(r), qk_norm=bool(r)
@@ -409,7 +469,7 @@ def convert_config(
     hf: dict[str, Any], tokenizer: Tokenizer | None = None, chat_template: str | None = None
 ) -> ModelConfig:
     """A Hugging Face config.json (as a dict) -> ModelConfig."""
-    _, arch = _architecture(hf)
+    hf, arch = _resolved(hf)
     activation = ACTIVATIONS.get(hf.get("hidden_act", "silu"))
     if activation is None:
         raise ExportError(f"activation '{hf.get('hidden_act')}' is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -419,7 +479,7 @@ def convert_config(
     try:
         theta, scaling = _rope(hf, arch)
         positions = _max_positions(hf, scaling)
-        _check_sliding_window(hf, arch, positions)
+        _check_sliding_window(hf, positions)
         shared = None
         if arch.shared_expert is not None and hf.get(arch.shared_expert[1]):
             shared = FFNConfig("glu", hf[arch.shared_expert[1]], activation)
@@ -477,7 +537,7 @@ def convert_config(
             add_bos_token=bos is not None and tokenizer is not None and _tokenizer_adds_bos(tokenizer, bos),
             chat_template=chat_template,
             **_multipliers(hf, arch),  # type: ignore[arg-type]
-            **_layer_attention(hf, arch),
+            **_layer_attention(hf, arch, positions),
         )
     except (ConfigError, KeyError) as exc:
         raise ExportError(f"config.json: {exc}") from None
@@ -493,7 +553,7 @@ def convert_weights(
     hf: dict[str, Any], config: ModelConfig, checkpoint: SafetensorsCheckpoint, *, progress: bool = True
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under canonical names, experts stacked; every key and shape checked."""
-    _, arch = _architecture(hf)
+    hf, arch = _resolved(hf)
     assert config.moe is not None and config.head_dim is not None and config.num_kv_heads is not None
     d, n = config.hidden_size, config.moe.num_experts
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -130,6 +130,8 @@ class MoEConfig:
             )
         if self.shared_expert_gate and self.shared_expert is None:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_expert")
+        if self.weights_scale_input and router_class(self.router.kind).per_sequence:
+            raise ConfigError(f"moe.weights_scale_input is not defined for router kind {self.router.kind}")
         router_class(self.router.kind).check_moe(self)
 
     @property
@@ -206,9 +208,9 @@ class RopeScaling:
         if self.type == "llama3":
             if self.low_freq_factor is None or self.high_freq_factor is None:
                 raise ConfigError("rope_scaling of type llama3 needs low_freq_factor and high_freq_factor")
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
+            if not 0 < self.low_freq_factor <= self.high_freq_factor:  # equal: no band between (Llama 4 Scout)
                 raise ConfigError(
-                    "rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor; got "
+                    "rope_scaling llama3 needs 0 < low_freq_factor <= high_freq_factor; got "
                     f"{self.low_freq_factor}, {self.high_freq_factor}"
                 )
         elif (self.low_freq_factor, self.high_freq_factor) != (None, None):
@@ -431,6 +433,12 @@ class ModelConfig:
             )
 
     def _check_layer_attention(self) -> None:
+        moe = self.moe
+        if moe is not None and router_class(moe.router.kind).reads_attention and self.attention_features:
+            raise ConfigError(
+                f"router kind {moe.router.kind} reads plain attention; this model has "
+                f"{', '.join(self.attention_features)}"
+            )
         spans = self.layer_attention
         if spans is None:
             if self.attention_temperature is not None:
@@ -454,6 +462,7 @@ class ModelConfig:
             "sliding-window attention": any(a.window is not None for a in spans),
             "local attention chunks": any(a.chunk is not None for a in spans),
             "layers without rotary (NoPE)": any(not a.rotary for a in spans),
+            "layers without the q/k norm": self.qk_norm is not None and any(not a.qk_norm for a in spans),
             "attention temperature tuning": self.attention_temperature is not None,
             "attention sinks": self.attention_sinks,
             "multi-head latent attention": self.latent_attention is not None,

@@ -144,8 +144,8 @@ class Attention(nn.Module):
             rotary = (self._rotary[0][positions], self._rotary[1][positions])  # cos, sin [T, Dh]
         cache = None if batch.kv_caches is None else batch.kv_caches[layer]
         q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention)
-        if self.temperature is not None:
-            q = q * _temperature(self.temperature, batch.attention.positions)[:, None, None].to(q.dtype)
+        if self.temperature is not None:  # in fp32, as transformers, then back to q's dtype
+            q = (q.float() * _temperature(self.temperature, batch.attention.positions)[:, None, None]).to(q.dtype)
         relative = None
         if self._r_k is not None:
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]

@@ -63,6 +63,10 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
             return f"router kind {kind.kind} is not a top-k of its logits under one of the kernels' weightings"
         if moe.config.shared_expert is not None or moe.config.hyper_expert is not None or moe.local_experts:
             return "it runs the routed experts only (no shared expert, adapters or expert parallelism)"
+        if moe.config.weights_scale_input:
+            return "it weights each expert's output (weights_scale_input weights its input)"
+        if moe.config.expert.activation not in ops.ACTIVATIONS:  # the clamped SwiGLU is a GLU of its own
+            return f"it runs the plain activations (not {moe.config.expert.activation})"
         if moe._router is None or moe._bank is None:
             return "the model is not prepared (MoETransformer.prepare)"
         if moe.input_norm is not None or not isinstance(layer.attn_norm, RMSNorm):

@@ -420,3 +420,45 @@ def test_a_sliding_window_model_gives_back_the_blocks_its_window_left(exported, 
     assert got == want[0, 40:].tolist()
     assert max(held[1:]) <= 3 and len(held) > 150  # 240 tokens would take 15 blocks without the release
     assert llm.engine.blocks.num_used_blocks == 0  # and the finished sequence gave back the rest
+
+
+def test_keys_a_released_config_omits_mean_what_transformers_defaults_them_to(caplog) -> None:
+    """Released configs leave keys to their config class's defaults (Llama 4 Scout: no_rope_layers [], no
+    temperature or chunk keys, llama3 scaling with equal frequency factors, a 10M context; gpt-oss trimmed):
+    the export reads them as transformers does."""
+    from moe_serve.exporters.hf import convert_config
+
+    scout = {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 300, "hidden_size": 64,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 48, "intermediate_size_mlp": 80, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "no_rope_layers": [], "max_position_embeddings": 10485760,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192}, "rope_theta": 500000.0,
+    }  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        config = convert_config(scout)
+    assert [(a.chunk, a.rotary, a.qk_norm) for a in config.layer_attention] == [(8192, True, True)] * 3 + [
+        (None, False, False)
+    ] + [(8192, True, True)] * 3 + [(None, False, False)]
+    temperature = config.attention_temperature
+    assert (temperature.floor_scale, temperature.scale, config.qk_norm, config.norm_eps) == (
+        8192,
+        0.1,
+        "per_head",
+        1e-5,
+    )
+    assert config.rope_scaling.low_freq_factor == config.rope_scaling.high_freq_factor == 1.0
+    assert config.max_position_embeddings == 1 << 20 and "capped to it" in caplog.text
+    assert config.attention_reach is None  # its global layers read every key: no block is released
+    trimmed = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    config = convert_config(trimmed)
+    assert [a.window for a in config.layer_attention] == [128, None, 128, None]
+    assert config.attention_bias and config.attention_out_bias and config.moe.expert.swiglu_limit == 7.0
+    assert (
+        config.rope_scaling.type == "yarn" and config.rope_scaling.factor == 32.0 and not config.rope_scaling.truncate
+    )

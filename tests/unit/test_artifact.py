@@ -94,6 +94,35 @@ BAD_CONFIGS = {
         lambda m: m["model"].__setitem__("rope_scaling", {**_longrope(original=256), "short_factor": [1.0, 2.0]}),
         "rope_scaling.short_factor needs head_dim / 2 = 4 values; got 2",
     ),
+    "layer_attention of another length": (
+        lambda m: m["model"].__setitem__("layer_attention", [{"window": 4}]),
+        "layer_attention needs one entry per layer",
+    ),
+    "temperature without a NoPE layer": (
+        lambda m: m["model"].__setitem__("attention_temperature", {"floor_scale": 4, "scale": 0.1}),
+        "attention_temperature applies to layers without rotary",
+    ),
+    "swiglu limit on another activation": (
+        lambda m: m["model"]["moe"]["expert"].__setitem__("swiglu_limit", 7.0),
+        "swiglu_alpha and swiglu_limit go with activation swigluoai",
+    ),
+    "swigluoai without its limit": (
+        lambda m: m["model"]["moe"]["expert"].update(kind="glu", activation="swigluoai", swiglu_alpha=1.7),
+        "activation swigluoai needs ffn kind glu, swiglu_alpha and swiglu_limit",
+    ),
+    "llama3 scaling with low above high": (
+        lambda m: m["model"].__setitem__(
+            "rope_scaling",
+            {
+                "type": "llama3",
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 1.0,
+            },
+        ),  # fmt: skip
+        "rope_scaling llama3 needs 0 < low_freq_factor <= high_freq_factor; got 4.0, 1.0",
+    ),
     "short factors without longrope": (
         lambda m: m["model"].__setitem__("rope_scaling", {"type": "linear", "factor": 2.0, "short_factor": [1.0]}),
         "rope_scaling.short_factor goes with type longrope only; got type linear",
@@ -208,3 +237,19 @@ def test_an_artifact_written_before_the_scale_fields_loads_with_the_same_results
             llm.artifact.model.lm_logits(llm.engine.runner.forward_padded([[5, 9, 14, 2, 77]], [2])[0]) for llm in llms
         ]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_conventions_a_kind_cannot_follow_are_refused_by_name() -> None:
+    """weights_scale_input (Llama 4) means nothing to a kind that decides once per input; a kind that reads
+    the layer's attention computes it over every key, without windows or sinks."""
+    import dataclasses
+
+    from moe_serve.layers.routers import router_config
+    from moe_serve.model_config import FFNConfig, LayerAttention
+    from tests.conftest import moe_config
+
+    with pytest.raises(ConfigError, match="moe.weights_scale_input is not defined for router kind soft_merge"):
+        moe_config(expert=FFNConfig("adapter", 8), router=router_config("soft_merge"), weights_scale_input=True)
+    reading = moe_config(router=router_config("attention", sigma=1.0, heads=(0,)), layers=(0,))
+    with pytest.raises(ConfigError, match="router kind attention reads plain attention; this model has sliding-window"):
+        dataclasses.replace(lm_config(moe=reading), layer_attention=(LayerAttention(window=4), LayerAttention()))

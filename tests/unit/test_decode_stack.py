@@ -132,6 +132,18 @@ def _cache(config) -> KVCache:
             dict(attention_sinks=True, layer_attention=(LayerAttention(window=4), LayerAttention(), LayerAttention())),
             "plain attention only (this model has sliding-window attention, attention sinks)",
         ),  # gpt-oss
+        (
+            dict(moe=moe_config(layers=(0, 1, 2), expert=FFNConfig("glu", 64), weights_scale_input=True)),
+            "weights_scale_input weights its input",
+        ),  # Llama 4's convention, with a router the stack would otherwise take
+        (
+            dict(
+                moe=moe_config(
+                    layers=(0, 1, 2), expert=FFNConfig("glu", 64, "swigluoai", swiglu_alpha=1.7, swiglu_limit=7.0)
+                )
+            ),
+            "plain activations (not swigluoai)",
+        ),  # gpt-oss's experts without its attention
     ],
     ids=[
         "post-norm",
@@ -142,6 +154,8 @@ def _cache(config) -> KVCache:
         "residual-scale",
         "sparsemixer",
         "gpt-oss",
+        "weights-scale-input",
+        "swigluoai",
     ],
 )
 def test_models_the_stack_cannot_run_keep_the_python_layers(overrides: dict, reason: str) -> None:
