@@ -90,6 +90,10 @@ class HFArchitecture:
     # DeepSeek-V2 / V3 (exporters/hf_deepseek.py): multi-head latent attention, first_k_dense_replace dense
     # layers, n_shared_experts always-on experts, router kind grouped_topk (V2 softmax, V3 sigmoid + bias)
     deepseek: Literal["v2", "v3"] | None = None
+    # GLM-4.5: DeepSeek-V3's MoE (grouped_topk, dense first layers, shared experts) with ordinary attention,
+    # its per-head q/k RMSNorm (use_qk_norm) and partial rotary (partial_rotary_factor: the first rotary_dim
+    # dims of each head rotate as halves of their own; the export reorders q/k rows for ModelConfig.rotary_dim)
+    glm4_moe: bool = False
 
 
 GLU_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -191,6 +195,27 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     ),
     "DeepseekV2ForCausalLM": DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": dataclasses.replace(DEEPSEEK_V2, deepseek="v3"),
+    "Glm4MoeForCausalLM": HFArchitecture(
+        "mlp",
+        GLU_NAMES,
+        ("n_routed_experts",),
+        "moe_intermediate_size",
+        "per_head",
+        router="grouped_topk",
+        shared_expert=("mlp.shared_experts", "n_shared_experts"),  # n_shared_experts of moe_intermediate_size
+        defaults=(  # Glm4MoeConfig's
+            ("n_group", 1),
+            ("topk_group", 1),
+            ("norm_topk_prob", True),
+            ("routed_scaling_factor", 1.0),
+            ("first_k_dense_replace", 1),
+            ("n_shared_experts", 1),
+            ("use_qk_norm", False),
+            ("rms_norm_eps", 1e-5),
+            ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        ),
+        glm4_moe=True,
+    ),
     "GptOssForCausalLM": HFArchitecture(
         "mlp",
         None,
@@ -253,7 +278,7 @@ def _resolved(hf: dict[str, Any]) -> tuple[dict[str, Any], HFArchitecture]:
 
 
 def _moe_layers(hf: dict[str, Any], arch: HFArchitecture) -> tuple[int, ...]:
-    if arch.deepseek is not None:  # first_k_dense_replace
+    if arch.deepseek is not None or arch.glm4_moe:  # first_k_dense_replace
         return hf_deepseek.moe_layers(hf)
     layers = range(hf["num_hidden_layers"])
     if not arch.has_dense_layers:
@@ -423,6 +448,8 @@ def _expert_ffn(hf: dict[str, Any], arch: HFArchitecture, activation: str) -> FF
 def _router(hf: dict[str, Any], arch: HFArchitecture) -> RouterConfig:
     if arch.deepseek is not None:  # grouped_topk
         return hf_deepseek.router(hf, arch.deepseek)
+    if arch.glm4_moe:  # DeepSeek-V3's
+        return hf_deepseek.router(hf, "v3")
     if arch.router == "sparsemixer":  # eval mode uses router_jitter_noise as its masking threshold
         return router_config(
             "sparsemixer", **({"jitter_eps": hf["router_jitter_noise"]} if "router_jitter_noise" in hf else {})
@@ -437,14 +464,23 @@ def _router(hf: dict[str, Any], arch: HFArchitecture) -> RouterConfig:
 
 def _max_k(hf: dict[str, Any], arch: HFArchitecture, num_experts: int) -> int:
     """The largest k served: every expert, or for DeepSeek's group-limited routing what its groups kept hold."""
-    return hf_deepseek.max_k(hf, _router(hf, arch), num_experts) if arch.deepseek is not None else num_experts
+    grouped = arch.deepseek is not None or arch.glm4_moe
+    return hf_deepseek.max_k(hf, _router(hf, arch), num_experts) if grouped else num_experts
 
 
 def _heads(hf: dict[str, Any], arch: HFArchitecture, scaling: RopeScaling | None) -> dict[str, Any]:
     """num_kv_heads and head_dim; DeepSeek: its latent attention's fields (exporters/hf_deepseek.py)."""
     if arch.deepseek is not None:
         return hf_deepseek.model_fields(hf, scaling)
-    return {"num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"], "head_dim": hf.get("head_dim")}
+    fields = {
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim"),
+    }
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if arch.glm4_moe and factor is not None and factor != 1.0:  # transformers: int(head_dim * factor) dims rotate
+        head_dim = fields["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
+        fields["rotary_dim"] = int(head_dim * factor)
+    return fields
 
 
 def _multipliers(hf: dict[str, Any], arch: HFArchitecture) -> dict[str, float]:
@@ -483,7 +519,7 @@ def convert_config(
         shared = None
         if arch.shared_expert is not None and hf.get(arch.shared_expert[1]):
             shared = FFNConfig("glu", hf[arch.shared_expert[1]], activation)
-        if arch.deepseek is not None:  # n_shared_experts of moe_intermediate_size
+        if arch.deepseek is not None or arch.glm4_moe:  # n_shared_experts of moe_intermediate_size
             shared = hf_deepseek.shared_expert(hf, activation)
         moe = MoEConfig(
             weights_scale_input=arch.llama4,
@@ -525,7 +561,7 @@ def convert_config(
             max_position_embeddings=positions,
             rope_theta=theta,
             rope_scaling=scaling,
-            qk_norm=None if arch.llama4 and not hf.get("use_qk_norm") else arch.qk_norm,  # type: ignore[arg-type]
+            qk_norm=None if (arch.llama4 or arch.glm4_moe) and not hf.get("use_qk_norm") else arch.qk_norm,  # type: ignore[arg-type]
             qkv_clip=hf.get("clip_qkv"),
             norm=arch.norm,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -583,8 +619,14 @@ def convert_weights(
             out[dst + f"attn.{name}.weight"] = checkpoint.get(src + f"self_attn.{name}.weight", (rows, d))
             if config.attention_bias:
                 out[dst + f"attn.{name}.bias"] = checkpoint.get(src + f"self_attn.{name}.bias", (rows,))
-            if arch.llama4 and name != "v_proj":
+            if name == "v_proj":
+                continue
+            if arch.llama4:
                 out[dst + f"attn.{name}.weight"] = _pairs_to_halves(out[dst + f"attn.{name}.weight"], config.head_dim)
+            if config.rotary_dim is not None:  # GLM-4.5's partial rotary: every row of a head, bias included
+                for part in ("weight", "bias") if config.attention_bias else ("weight",):
+                    key = dst + f"attn.{name}.{part}"
+                    out[key] = _partial_rotary_rows(out[key], config.head_dim, config.rotary_dim)
         out[dst + "attn.o_proj.weight"] = checkpoint.get(src + "self_attn.o_proj.weight", (d, q_out))
         if config.attention_out_bias:
             out[dst + "attn.o_proj.bias"] = checkpoint.get(src + "self_attn.o_proj.bias", (d,))
@@ -600,11 +642,18 @@ def convert_weights(
             q_dim, k_dim = (config.head_dim, config.head_dim) if config.qk_norm == "per_head" else (q_out, kv_out)
             out[dst + "attn.q_norm.weight"] = checkpoint.get(src + "self_attn.q_norm.weight", (q_dim,))
             out[dst + "attn.k_norm.weight"] = checkpoint.get(src + "self_attn.k_norm.weight", (k_dim,))
+            if config.rotary_dim is not None:  # a per-head norm's weights follow the rows they scale
+                for which in ("q", "k"):
+                    key = dst + f"attn.{which}_norm.weight"
+                    out[key] = _partial_rotary_rows(out[key], config.head_dim, config.rotary_dim)
         if i in config.moe.layers:
             moe = src + arch.moe_prefix + "."
             out[dst + "moe.router.weight"] = checkpoint.get(f"{moe}{arch.router_name}.weight", (n, d))
             if config.moe.router.use_bias:
                 out[dst + "moe.router.bias"] = checkpoint.get(f"{moe}{arch.router_name}.bias", (n,))
+            if getattr(config.moe.router, "correction_bias", False):  # GLM-4.5: DeepSeek-V3's selection bias
+                bias = f"{moe}{arch.router_name}.e_score_correction_bias"
+                out[dst + "moe.router.correction_bias"] = checkpoint.get(bias, (n,))
             out.update(_experts(checkpoint, moe, dst + "moe.experts.", arch, n, d, config.moe.expert.intermediate_size))
             shared = config.moe.shared_expert
             if shared is not None:
@@ -681,6 +730,22 @@ def _pairs_to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     they were."""
     order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
     return weight.reshape(-1, head_dim, weight.shape[-1])[:, order].reshape(weight.shape).contiguous()
+
+
+def _partial_rotary_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Per head (the leading axis in blocks of head_dim), the source's order (its first rotary_dim dims rotate
+    as two halves, the rest pass through) -> ModelConfig.rotary_dim's: rotated halves at 0 and head_dim / 2,
+    each followed by half of the pass-through dims. The same reorder on q and k leaves q . k unchanged."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    order = torch.cat(
+        [
+            torch.arange(0, r),
+            torch.arange(rotary_dim, rotary_dim + p),
+            torch.arange(r, rotary_dim),
+            torch.arange(rotary_dim + p, head_dim),
+        ]
+    )
+    return rows.reshape(-1, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape).contiguous()
 
 
 def _gpt_oss_experts(

@@ -323,6 +323,10 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Partial rotary (GLM-4.5's partial_rotary_factor): the pairs (j, j + head_dim/2) for j < rotary_dim/2 rotate
+    # as a rotary_dim-wide rotation would, the others pass through (an import reorders each head's q/k rows to
+    # put the source's rotated dims there). None: head_dim, every pair.
+    rotary_dim: int | None = None
     qk_norm: QKNorm | None = None  # RMSNorm on q and k: per head (Qwen3-MoE) or over all heads (OLMoE)
     qkv_clip: float | None = None  # clamp q, k, v to [-clip, clip] (OLMoE's clip_qkv)
     norm: NormKind = "rmsnorm"
@@ -398,6 +402,14 @@ class ModelConfig:
             self._check_longrope(self.rope_scaling, head_dim)
         if self.position == "rotary" and head_dim % 2:
             raise ConfigError(f"rotary positions need an even head_dim; got {self.head_dim}")
+        if self.rotary_dim is not None and self.latent_attention is not None:
+            raise ConfigError("rotary_dim (partial rotary) is not defined with latent_attention")
+        if self.rotary_dim is not None and (
+            self.position != "rotary" or self.rotary_dim % 2 or not 2 <= self.rotary_dim <= head_dim
+        ):
+            raise ConfigError(
+                f"rotary_dim must be even, 2 to head_dim ({head_dim}), with rotary positions; got {self.rotary_dim}"
+            )
         if self.moe is not None:
             bad = [i for i in self.moe.layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
             if bad or len(set(self.moe.layers)) != len(self.moe.layers):

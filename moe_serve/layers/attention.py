@@ -93,7 +93,11 @@ class Attention(nn.Module):
         device, max_len = weight.device, self.config.max_position_embeddings
         if self.position == "rotary":
             self._rotary = rotary_cos_sin(
-                torch.arange(max_len, device=device), self.head_dim, self.config.rope_theta, self.config.rope_scaling
+                torch.arange(max_len, device=device),
+                self.head_dim,
+                self.config.rope_theta,
+                self.config.rope_scaling,
+                self.config.rotary_dim,
             )
         elif self.position == "relative":
             low = 0 if self.is_causal else -(max_len - 1)

@@ -73,13 +73,19 @@ def _yarn(dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) -> tu
 
 
 def rotary_cos_sin(
-    positions: torch.Tensor, dim: int, theta: float, scaling: RopeScaling | None = None
+    positions: torch.Tensor, dim: int, theta: float, scaling: RopeScaling | None = None, rotary_dim: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [*positions.shape, dim] in fp32."""
-    inv_freq, scale = rotary_inv_freq(dim, theta, scaling, positions.device)
-    freqs = positions.float()[..., None] * inv_freq  # [..., dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [..., dim]
-    return emb.cos() * scale, emb.sin() * scale
+    """cos, sin of shape [*positions.shape, dim] in fp32. rotary_dim < dim (ModelConfig.rotary_dim): pairs (j,
+    j + dim/2) for j < rotary_dim/2 rotate at the frequencies of a rotary_dim-wide rotation; the other pairs
+    pass through (cos 1, sin 0, unscaled)."""
+    rotary_dim = rotary_dim or dim
+    inv_freq, scale = rotary_inv_freq(rotary_dim, theta, scaling, positions.device)
+    freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
+    half_cos, half_sin = freqs.cos() * scale, freqs.sin() * scale
+    if rotary_dim < dim:
+        through = freqs.new_zeros(*freqs.shape[:-1], (dim - rotary_dim) // 2)
+        half_cos, half_sin = torch.cat((half_cos, through + 1), dim=-1), torch.cat((half_sin, through), dim=-1)
+    return torch.cat((half_cos, half_cos), dim=-1), torch.cat((half_sin, half_sin), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteMoeConfig,
@@ -94,6 +96,15 @@ FAMILIES = {
     "mixtral_window": (MixtralForCausalLM, lambda: MixtralConfig(
         **COMMON, intermediate_size=96, num_hidden_layers=2, num_local_experts=NUM_EXPERTS, num_experts_per_tok=2,
         sliding_window=8, max_position_embeddings=512)),
+    # GLM-4.5's conventions: DeepSeek-V3's router (sigmoid, a correction bias, 2 of 4 groups kept, a routing
+    # scale), a dense first layer and a shared expert, biases on q/k/v, per-head q/k norms and partial rotary
+    # (half of each head's dims rotate).
+    "glm4_moe": (Glm4MoeForCausalLM, lambda: Glm4MoeConfig(
+        **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        n_routed_experts=NUM_EXPERTS, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     # Llama 4's conventions: MoE on alternate layers beside dense ones, a shared expert, the sigmoid router
     # scaling the expert's input, local chunks of 8 (36 tokens tested) on the rotary layers with the L2 q/k
     # norm, a global layer without rotary with temperature tuning (a floor_scale small enough to vary), llama3

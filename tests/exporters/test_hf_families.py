@@ -88,11 +88,15 @@ def transformers_model(src: Path, name: str, k: int, monkeypatch: pytest.MonkeyP
 
 def _k(src: Path, which: str) -> int:
     """The trained k (the source's num_experts_per_tok); 1, or 2 where 1 is the trained k (Llama 4), so
-    that three k are tested; or the largest (every expert)."""
-    trained = json.loads((src / "config.json").read_text())["num_experts_per_tok"]
+    that three k are tested; or the largest served (every expert, or every expert of the groups a
+    group-limited router keeps: GLM-4.5)."""
+    config = json.loads((src / "config.json").read_text())
+    trained = config["num_experts_per_tok"]
     if which == "trained":
         return trained
-    return (2 if trained == 1 else 1) if which == "small" else NUM_EXPERTS
+    if which == "small":
+        return 2 if trained == 1 else 1
+    return config["topk_group"] * NUM_EXPERTS // config["n_group"] if "topk_group" in config else NUM_EXPERTS
 
 
 def test_sparsemixer_steps_is_transformers_sparsemixer_at_two_steps() -> None:
@@ -462,3 +466,33 @@ def test_keys_a_released_config_omits_mean_what_transformers_defaults_them_to(ca
     assert (
         config.rope_scaling.type == "yarn" and config.rope_scaling.factor == 32.0 and not config.rope_scaling.truncate
     )
+
+
+def test_glm4_moe_conventions_in_the_artifact_and_partial_rotary_matters(exported) -> None:
+    """DeepSeek-V3's router with ordinary attention, per-head q/k norms and half of each head rotating: the
+    same weights with every dim rotating give other logits, so the parity test sees the partial rotary."""
+    from moe_serve.layers.positions import rotary_cos_sin
+
+    src, artifact = exported["glm4_moe"]
+    llm = LLM(artifact)
+    config = llm.config
+    router = config.moe.router
+    assert (config.rotary_dim, config.head_dim, config.qk_norm, config.attention_bias) == (8, 16, "per_head", True)
+    assert (router.kind, router.groups, router.groups_kept, router.correction_bias, router.scale) == (
+        "grouped_topk", 4, 2, True, 1.5
+    )  # fmt: skip
+    assert config.moe.layers == (1, 2) and config.moe.shared_expert.intermediate_size == 32 and config.moe.max_k == 4
+    sequence = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = FAMILIES["glm4_moe"][0].from_pretrained(src).eval()(sequence).logits[0]
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            hidden, _ = llm.engine.runner.forward_padded(sequence.tolist(), [2])
+            return llm.artifact.model.lm_logits(hidden)[0]
+
+    torch.testing.assert_close(logits(), want, atol=LOGITS_ATOL, rtol=0)
+    full = rotary_cos_sin(torch.arange(config.max_position_embeddings), 16, config.rope_theta)
+    for layer in llm.artifact.model.layers:
+        layer.attn._rotary = full
+    assert (logits() - want).abs().max() > 1e-3
