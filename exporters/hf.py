@@ -117,7 +117,48 @@ DEEPSEEK_V2 = HFArchitecture(
     None,
     router="grouped_topk",
     attention_out_bias=True,  # attention_bias puts a bias on q_a, kv_a and o_proj
+    defaults=(  # DeepseekV2Config's
+        ("n_shared_experts", 2),
+        ("first_k_dense_replace", 0),
+        ("q_lora_rank", 1536),
+        ("kv_lora_rank", 512),
+        ("qk_nope_head_dim", 128),
+        ("qk_rope_head_dim", 64),
+        ("v_head_dim", 128),
+        ("n_routed_experts", 64),
+        ("routed_scaling_factor", 1.0),
+        ("norm_topk_prob", False),
+        ("topk_method", "greedy"),
+        ("max_position_embeddings", 2048),
+        ("bos_token_id", 1),
+        ("eos_token_id", 2),
+        ("rms_norm_eps", 1e-6),
+    ),
     deepseek="v2",
+)
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK_V2,
+    deepseek="v3",
+    defaults=(  # DeepseekV3Config's
+        ("n_group", 8),
+        ("topk_group", 4),
+        ("n_shared_experts", 1),
+        ("first_k_dense_replace", 3),
+        ("q_lora_rank", 1536),
+        ("kv_lora_rank", 512),
+        ("qk_nope_head_dim", 128),
+        ("qk_rope_head_dim", 64),
+        ("v_head_dim", 128),
+        ("n_routed_experts", 256),
+        ("num_experts_per_tok", 8),
+        ("routed_scaling_factor", 2.5),
+        ("norm_topk_prob", True),
+        ("rope_interleave", True),
+        ("max_position_embeddings", 4096),
+        ("bos_token_id", 0),
+        ("eos_token_id", 1),
+        ("rms_norm_eps", 1e-6),
+    ),
 )
 ARCHITECTURES: dict[str, HFArchitecture] = {
     "MixtralForCausalLM": HFArchitecture(
@@ -194,7 +235,7 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         dense_size_key="intermediate_size_mlp",
     ),
     "DeepseekV2ForCausalLM": DEEPSEEK_V2,
-    "DeepseekV3ForCausalLM": dataclasses.replace(DEEPSEEK_V2, deepseek="v3"),
+    "DeepseekV3ForCausalLM": DEEPSEEK_V3,
     "Glm4MoeForCausalLM": HFArchitecture(
         "mlp",
         GLU_NAMES,
@@ -786,6 +827,7 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
     if not src.is_dir():
         raise ExportError(f"{src} is not a directory")
     hf, prefix = _text_model(read_json(src / "config.json"))
+    hf, _ = _resolved(hf)
     name, _ = _architecture(hf)
     if not (src / "tokenizer.json").is_file():
         raise ExportError(

@@ -515,8 +515,6 @@ class ModelConfig:
             raise ConfigError(
                 f"latent_attention does not combine with {', '.join(name for name, on in others.items() if on)}"
             )
-        if self.moe is not None and router_class(self.moe.router.kind).reads_attention:
-            raise ConfigError(f"router kind {self.moe.router.kind} reads q/k/v attention; latent_attention has none")
 
     def _check_longrope(self, scaling: RopeScaling, head_dim: int) -> None:
         assert scaling.short_factor is not None and scaling.original_max_position_embeddings is not None

@@ -47,13 +47,19 @@ def gather_latent(cache: LatentCache, block_table: torch.Tensor, num_keys: int) 
     return cache.latent[blocks].reshape(-1, cache.latent.shape[-1])[:num_keys]
 
 
+# The batched decode copies every sequence's latents to the longest one's length: above this many keys in all
+# (one long sequence pads the others), the sequences run one at a time instead, in memory of their own size.
+MAX_PADDED_KEYS = 1 << 16
+
+
 def latent_attention(
     q: torch.Tensor, latent: torch.Tensor, batch: AttentionBatch, cache: LatentCache | None, rank: int, scale: float
 ) -> torch.Tensor:
     """q [T, H, C] (each head's query mapped into the latent, then its rotated rope part), latent [T, C] this
     step's rows (already in the cache when there is one) -> [T, H, R]: softmax(q . key * scale) over each
     query's earlier keys of its own sequence, times the keys' latents (their first R values)."""
-    if cache is not None and len(batch.seq_lens) > 1 and max(batch.seq_lens) == 1:
+    padded = len(batch.seq_lens) * max(batch.num_keys_host)
+    if cache is not None and len(batch.seq_lens) > 1 and max(batch.seq_lens) == 1 and padded <= MAX_PADDED_KEYS:
         return _decode(q, batch, cache, rank, scale)
     out = q.new_empty(q.shape[0], q.shape[1], rank)
     start = 0

@@ -430,3 +430,30 @@ def test_what_cannot_be_served_exactly_is_refused_at_export_by_name(tmp_path, ex
     with pytest.raises(ExportError, match=message):
         export_hf(src, tmp_path / "dst", NO_PROGRESS)
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_keys_a_released_config_omits_mean_what_transformers_defaults_them_to(version: str) -> None:
+    """save_pretrained writes every key; a released config.json may leave some to the config class. Trimmed
+    to its sizes, a config converts to what transformers' own class makes of it."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from moe_serve.exporters.hf import convert_config
+
+    trimmed = {
+        "architectures": [f"Deepseek{version.upper()}ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    theirs = (DeepseekV3Config if version == "v3" else DeepseekV2Config)(**trimmed)
+    config = convert_config(trimmed)
+    moe, mla = config.moe, config.latent_attention
+    assert moe.num_experts == theirs.n_routed_experts and moe.layers[0] == theirs.first_k_dense_replace
+    assert moe.shared_expert.intermediate_size == theirs.n_shared_experts * theirs.moe_intermediate_size
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim) == (
+        theirs.q_lora_rank, theirs.kv_lora_rank, theirs.qk_rope_head_dim
+    )  # fmt: skip
+    assert moe.router.scale == theirs.routed_scaling_factor and config.eos_token_id == theirs.eos_token_id
+    if version == "v3":
+        assert (moe.router.groups, moe.router.groups_kept) == (theirs.n_group, theirs.topk_group)
+        assert moe.router.normalize is theirs.norm_topk_prob

@@ -130,8 +130,8 @@ class GroupedTopK(Router):
     def max_k_reason(cls, moe: MoEConfig) -> str | None:
         config = moe.router
         assert isinstance(config, GroupedTopKConfig)
-        if config.groups_kept == config.groups:
-            return None
+        if config.groups_kept == config.groups or moe.max_k < cls.reachable_k(config, moe.num_experts):
+            return None  # the model's own experts_per_token.max is the tighter bound
         return (
             f"router kind {cls.kind} keeps {config.groups_kept} of its {config.groups} expert groups "
             f"({moe.num_experts // config.groups} experts each) as trained, so a token reaches at most "
