@@ -31,7 +31,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine import decode_graphs
 from moe_serve.errors import ConfigError, ValidationError
-from moe_serve.exporters.base import ExportError, ExportOptions
+from moe_serve.exporters.base import ExportError
 from moe_serve.exporters.hf import export_hf
 from moe_serve.exporters.onnx.export import check_exportable
 from moe_serve.layers.routers import router_class, router_config
@@ -40,12 +40,16 @@ from moe_serve.models import decode_stack
 from moe_serve.moe_policy import MoEPolicy
 from moe_serve.summary import format_summary, summarize
 from moe_serve.tokenizer import END_OF_TEXT, byte_level_tokenizer
+from tests.exporters.parity import (
+    NO_PROGRESS,
+    TOP,
+    Engines,
+    assert_generates,
+    check_parity,
+    export_all,
+    transformers_reference,
+)
 
-NO_PROGRESS = ExportOptions(progress=False)
-PROMPT, NEW, TOP = 20, 16, 5  # prompt and generated tokens, alternatives compared
-CHUNK = 8  # the chunked engine's step budget: the prompt is prefilled in chunks of 8, 8 and 4 tokens
-LOGITS_ATOL = 1e-4  # fp32 (measured: at most 7.4e-6 here)
-LOGPROB_ATOL = 1e-4  # fp32 log-probabilities of the top tokens (measured: at most 5.7e-6 here)
 NUM_EXPERTS = 8
 
 # fmt: off
@@ -105,26 +109,12 @@ def save_model(name: str, directory: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """name -> (HF directory, artifact directory)."""
-    root = tmp_path_factory.mktemp("hf-deepseek")
-    out = {}
-    for seed, name in enumerate(MODELS):
-        src = save_model(name, root / f"{name}-hf", seed=seed + 21)
-        out[name] = (src, export_hf(src, root / f"{name}-artifact", NO_PROGRESS))
-    return out
+    return export_all(tmp_path_factory.mktemp("hf-deepseek"), MODELS, save_model, first_seed=21)
 
 
 @pytest.fixture(scope="module")
-def engines(exported) -> dict[str, tuple[LLM, LLM]]:
-    """name -> (an engine that prefills a prompt in one step, one that prefills it in chunks of CHUNK), each
-    made when a test first asks for it."""
-
-    class Engines(dict):
-        def __missing__(self, name: str) -> tuple[LLM, LLM]:
-            artifact = exported[name][1]
-            self[name] = (LLM(artifact), LLM(artifact, EngineConfig(max_num_batched_tokens=CHUNK)))
-            return self[name]
-
-    return Engines()
+def engines(exported) -> Engines:
+    return Engines(exported)
 
 
 def _k(src: Path, name: str, which: str) -> int:
@@ -134,34 +124,7 @@ def _k(src: Path, name: str, which: str) -> int:
 
 
 def _transformers_reference(src: Path, name: str, k: int, prompt: torch.Tensor):
-    """transformers at k: its greedy tokens, their log-probability rows, and every position's logits."""
-    model = MODELS[name][0].from_pretrained(src, num_experts_per_tok=k).eval()
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-        logits = model(out.sequences).logits[0]
-    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-    return out.sequences, expected, logits
-
-
-def _assert_generates(llm: LLM, prompt: list[int], k: int, tokens: list[int], expected: list[torch.Tensor]) -> None:
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, experts_per_token=k, logprobs=TOP)
-    got = llm.generate([prompt], params)[0].outputs[0]
-    assert got.token_ids == tokens
-    for step, (token, logprob, top, want) in enumerate(
-        zip(got.token_ids, got.logprobs, got.top_logprobs, expected, strict=True)
-    ):
-        assert abs(logprob - want[token].item()) <= LOGPROB_ATOL, (step, logprob, want[token].item())
-        best = sorted(top, key=lambda t: -top[t])[:TOP]
-        assert best == want.topk(TOP).indices.tolist(), step
-        assert max(abs(top[t] - want[t].item()) for t in best) <= LOGPROB_ATOL, step
+    return transformers_reference(MODELS[name][0].from_pretrained(src, num_experts_per_tok=k).eval(), prompt)
 
 
 @pytest.mark.parametrize("which", ["trained", "1", "max"])
@@ -171,16 +134,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers_through_prefill_chunks_an
 ) -> None:
     src, _ = exported[name]
     k = _k(src, name, which)
-    prompt = torch.randint(0, 300, (1, PROMPT), generator=torch.Generator().manual_seed(len(name) + k))
-    sequence, expected, logits = _transformers_reference(src, name, k, prompt)
-    whole, chunked = engines[name]
-    with torch.inference_mode():
-        hidden, _ = whole.engine.runner.forward_padded(sequence.tolist(), [k])
-        torch.testing.assert_close(whole.artifact.model.lm_logits(hidden)[0], logits, atol=LOGITS_ATOL, rtol=0)
-    for llm, chunks in ((whole, [PROMPT]), (chunked, [CHUNK, CHUNK, PROMPT - 2 * CHUNK])):
-        prefills = _record_prefills(llm, monkeypatch)
-        _assert_generates(llm, prompt[0].tolist(), k, sequence[0, PROMPT:].tolist(), expected)
-        assert prefills == chunks  # the prompt went through in one step or in chunks, then decode steps
+    model = MODELS[name][0].from_pretrained(src, num_experts_per_tok=k).eval()
+    check_parity(engines[name], model, k, len(name) + k, monkeypatch)
 
 
 def test_a_prefix_cache_hit_reads_the_latents_it_cached(exported) -> None:
@@ -192,7 +147,7 @@ def test_a_prefix_cache_hit_reads_the_latents_it_cached(exported) -> None:
     sequence, expected, _ = _transformers_reference(src, "v3", k, prompt)
     llm = LLM(artifact, EngineConfig(block_size=16))
     for _ in range(2):
-        _assert_generates(llm, prompt[0].tolist(), k, sequence[0, 40:].tolist(), expected)
+        assert_generates(llm, prompt[0].tolist(), k, sequence[0, 40:].tolist(), expected)
     assert llm.engine.blocks.stats.hit_tokens == 32  # the second prompt's two whole blocks
 
 
@@ -240,23 +195,6 @@ def test_packed_weights_serve_latent_attention(exported) -> None:
     assert (
         packed.generate(sequence, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
     )
-
-
-def _record_prefills(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The prompt tokens of each engine step that prefills (decode-only steps add nothing)."""
-    prefills: list[int] = []
-    execute = llm.engine.runner.execute
-
-    def recording(output):
-        if output.num_prefill_tokens:
-            prefills.append(output.num_prefill_tokens)
-        return execute(output)
-
-    monkeypatch.setattr(llm.engine.runner, "execute", recording)
-    return prefills
-
-
-# ---- the router kind against transformers' routers ------------------------------------------------------
 
 
 def _router_cases():

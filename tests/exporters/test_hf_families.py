@@ -24,17 +24,12 @@ from transformers.models.phimoe import modeling_phimoe
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.errors import ValidationError
 from moe_serve.exporters import mxfp4
-from moe_serve.exporters.base import ExportError, ExportOptions
+from moe_serve.exporters.base import ExportError
 from moe_serve.exporters.hf import export_hf
 from moe_serve.layers.routers import router_class, router_config
 from moe_serve.moe_policy import MoEPolicy
 from tests.exporters.hf_models import FAMILIES, LONGROPE_ORIGINAL, NUM_EXPERTS, save_hf_model
-
-NO_PROGRESS = ExportOptions(progress=False)
-PROMPT, NEW, TOP = 20, 16, 5  # prompt and generated tokens (within Phi's served positions), alternatives
-CHUNK = 8  # the chunked engine's step budget: the prompt is prefilled in chunks of 8, 8 and 4 tokens
-LOGITS_ATOL = 1e-4  # fp32, as tests/exporters/test_hf.py (measured: at most 5.9e-6 here)
-LOGPROB_ATOL = 1e-4  # fp32 log-probabilities of the top tokens (measured: at most 3.6e-6 here)
+from tests.exporters.parity import LOGITS_ATOL, NEW, NO_PROGRESS, PROMPT, Engines, check_parity, export_all
 
 
 def sparsemixer_steps(scores: torch.Tensor, jitter_eps: float, training: bool, top_k: int = 2):
@@ -58,26 +53,12 @@ def sparsemixer_steps(scores: torch.Tensor, jitter_eps: float, training: bool, t
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """name -> (HF directory, artifact directory)."""
-    root = tmp_path_factory.mktemp("hf-families")
-    out = {}
-    for seed, name in enumerate(FAMILIES):
-        src = save_hf_model(name, root / f"{name}-hf", seed=seed + 11)
-        out[name] = (src, export_hf(src, root / f"{name}-artifact", NO_PROGRESS))
-    return out
+    return export_all(tmp_path_factory.mktemp("hf-families"), FAMILIES, save_hf_model, first_seed=11)
 
 
 @pytest.fixture(scope="module")
-def engines(exported) -> dict[str, tuple[LLM, LLM]]:
-    """name -> (an engine that prefills a prompt in one step, one that prefills it in chunks of CHUNK), each
-    made when a test first asks for it."""
-
-    class Engines(dict):
-        def __missing__(self, name: str) -> tuple[LLM, LLM]:
-            artifact = exported[name][1]
-            self[name] = (LLM(artifact), LLM(artifact, EngineConfig(max_num_batched_tokens=CHUNK)))
-            return self[name]
-
-    return Engines()
+def engines(exported) -> Engines:
+    return Engines(exported)
 
 
 def transformers_model(src: Path, name: str, k: int, monkeypatch: pytest.MonkeyPatch):
@@ -125,53 +106,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_through_prefill_chunks_an
 ) -> None:
     src, _ = exported[name]
     k = _k(src, which)
-    model = transformers_model(src, name, k, monkeypatch)
-    prompt = torch.randint(0, 300, (1, PROMPT), generator=torch.Generator().manual_seed(len(name) + k))
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-        sequence = out.sequences  # [1, PROMPT + NEW]
-        logits = model(sequence).logits[0]  # every position in one forward
-    expected_tokens = sequence[0, PROMPT:].tolist()
-    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]  # [NEW] x [V]
-    whole, chunked = engines[name]
-    with torch.inference_mode():
-        hidden, _ = whole.engine.runner.forward_padded(sequence.tolist(), [k])
-        torch.testing.assert_close(whole.artifact.model.lm_logits(hidden)[0], logits, atol=LOGITS_ATOL, rtol=0)
-    for llm, chunks in ((whole, [PROMPT]), (chunked, [CHUNK, CHUNK, PROMPT - 2 * CHUNK])):
-        prefills = _record_prefills(llm, monkeypatch)
-        params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, experts_per_token=k, logprobs=TOP)
-        got = llm.generate([prompt[0].tolist()], params)[0].outputs[0]
-        assert got.token_ids == expected_tokens
-        for step, (token, logprob, top, want) in enumerate(
-            zip(got.token_ids, got.logprobs, got.top_logprobs, expected, strict=True)
-        ):
-            assert abs(logprob - want[token].item()) <= LOGPROB_ATOL, (step, logprob, want[token].item())
-            best = sorted(top, key=lambda t: -top[t])[:TOP]
-            assert best == want.topk(TOP).indices.tolist(), step
-            assert max(abs(top[t] - want[t].item()) for t in best) <= LOGPROB_ATOL, step
-        assert prefills == chunks  # the prompt went through in one step or in chunks, then decode steps
-
-
-def _record_prefills(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The prompt tokens of each engine step that prefills (decode-only steps add nothing)."""
-    prefills: list[int] = []
-    execute = llm.engine.runner.execute
-
-    def recording(output):
-        if output.num_prefill_tokens:
-            prefills.append(output.num_prefill_tokens)
-        return execute(output)
-
-    monkeypatch.setattr(llm.engine.runner, "execute", recording)
-    return prefills
+    check_parity(engines[name], transformers_model(src, name, k, monkeypatch), k, len(name) + k, monkeypatch)
 
 
 def test_phimoe_conventions_in_the_artifact(exported) -> None:
