@@ -17,7 +17,9 @@ from moe_serve.layers.routers.base import Router, RouterState, register
 
 @register("topk_sigmoid")
 class TopKSigmoid(Router):
-    onnx_graph = True  # plain torch ops on the logits alone
+    # No ONNX graph is claimed: its only model, Llama 4, is refused there for its attention, so no export of
+    # this kind is proven against onnxruntime.
+    onnx_graph = False
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
