@@ -88,12 +88,12 @@ def unsupported(config: ModelConfig) -> list[str]:
         )
     elif config.position != "rotary":
         problems.append(f"position {config.position} (the plugin implements rotary positions)")
-    if config.latent_attention is not None:  # named before its head_dim, the rope part only, is
+    if config.attention_features:  # before head_dim: latent attention's is its rope part only
         problems.append(
-            "multi-head latent attention (latent_attention, DeepSeek): the plugin's attention is vLLM's over "
-            "per-head keys and values"
+            f"{', '.join(config.attention_features)} (the plugin's attention is vLLM's over per-head keys and "
+            "values, called without them)"
         )
-    elif config.head_dim not in CPU_HEAD_SIZES and _on_cpu():
+    if config.latent_attention is None and config.head_dim not in CPU_HEAD_SIZES and _on_cpu():
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         problems.append(f"head_dim {config.head_dim} (vLLM's CPU attention takes {sizes})")
     if config.moe is not None:
@@ -172,9 +172,7 @@ class ModelConfigHook(VerifyAndUpdateConfig):
                 "the tensor-parallel ranks only)"
             )
         shards = Shards(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
-        model = vllm_config.model_config.hf_config.model_config
-        refusals += parallel_problems(model, shards)
-        refusals += list(model.attention_features)  # the plugin's attention is vLLM's, called without them
+        refusals += parallel_problems(vllm_config.model_config.hf_config.model_config, shards)
         if not (current_platform.is_cpu() or current_platform.is_cuda()):
             refusals.append(
                 f"platform {current_platform.device_type or 'unknown'}: per-request k is wired into vLLM's CPU "

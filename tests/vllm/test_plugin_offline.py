@@ -146,7 +146,7 @@ def test_bad_k_is_refused_before_generation(vllm_llm, extra, message) -> None:
     [
         (dict(position="relative"), "Transformer-XL relative attention"),
         (dict(hidden_size=32, num_heads=4, num_kv_heads=2), "head_dim 8"),
-        (dict(attention_sinks=True), "does not support attention sinks"),  # gpt-oss (ModelConfig.attention_features)
+        (dict(attention_sinks=True), "attention sinks .the plugin's attention is vLLM's"),  # gpt-oss
         (  # DeepSeek
             dict(latent_attention=LatentAttentionConfig(16, 16, 8, 12), head_dim=8, num_kv_heads=4),
             "multi-head latent attention",
