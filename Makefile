@@ -53,7 +53,7 @@ test: install-test lint test-triton
 test-triton: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/triton
 
-# The development loop (2 min 36 s on 2 idle cores, README.md): skips the tests marked slow (each over ~1.5 s).
+# The development loop (2 min 23 s on 2 idle cores, README.md): skips the tests marked slow (each over ~1.5 s).
 test-fast: install-test lint
 	$(BIN)/python -m pytest -q -m "not slow"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow" tests/triton
