@@ -21,7 +21,7 @@ from moe_serve.kernels.graph import GraphCache
 from moe_serve.kernels.packed import PackedWeight
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
-from moe_serve.layers.positions import rotary_cos_sin, sinusoid_relative
+from moe_serve.layers.positions import rotary_tables, sinusoid_relative
 from moe_serve.model_config import AttentionTemperature, ModelConfig
 
 
@@ -92,12 +92,9 @@ class Attention(nn.Module):
         self._o = (self.o_proj.weight, self.o_proj.bias)
         device, max_len = weight.device, self.config.max_position_embeddings
         if self.position == "rotary":
-            self._rotary = rotary_cos_sin(
-                torch.arange(max_len, device=device),
-                self.head_dim,
-                self.config.rope_theta,
-                self.config.rope_scaling,
-                self.config.rotary_dim,
+            config = self.config
+            self._rotary = rotary_tables(
+                max_len, self.head_dim, config.rope_theta, config.rope_scaling, config.rotary_dim, device
             )
         elif self.position == "relative":
             low = 0 if self.is_causal else -(max_len - 1)

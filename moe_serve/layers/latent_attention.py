@@ -30,7 +30,7 @@ from moe_serve.kernels.latent import LatentCache, latent_attention, write_latent
 from moe_serve.kernels.ops import AttentionBatch
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
-from moe_serve.layers.positions import apply_rotary, rotary_cos_sin
+from moe_serve.layers.positions import apply_rotary, rotary_tables
 from moe_serve.model_config import ModelConfig
 
 
@@ -71,8 +71,9 @@ class LatentAttention(nn.Module):
         self._w_uk = per_head[:, : self.nope].contiguous()
         self._w_uv = per_head[:, self.nope :].contiguous()
         config = self.config
-        positions = torch.arange(config.max_position_embeddings, device=weight.device)
-        self._rotary = rotary_cos_sin(positions, self.rope, config.rope_theta, config.rope_scaling)
+        self._rotary = rotary_tables(
+            config.max_position_embeddings, self.rope, config.rope_theta, config.rope_scaling, None, weight.device
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, layer: int) -> torch.Tensor:
         """x [T, D] -> [T, D]; this step's latents go into the layer's cache when there is one."""

@@ -4,6 +4,7 @@ the Transformer-XL sinusoidal relative embedding. The model computes their table
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,6 +71,16 @@ def _yarn(dim: int, theta: float, s: RopeScaling, exponents: torch.Tensor) -> tu
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
+
+
+@functools.lru_cache(maxsize=8)
+def rotary_tables(
+    max_len: int, dim: int, theta: float, scaling: RopeScaling | None, rotary_dim: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_cos_sin for positions 0 .. max_len - 1, built once per distinct set of arguments in the process and
+    shared, read-only, by every layer that asks (a model's layers all do: 32 layers of 32,768 positions by 128
+    would otherwise hold 32 copies of 34 MB)."""
+    return rotary_cos_sin(torch.arange(max_len, device=device), dim, theta, scaling, rotary_dim)
 
 
 def rotary_cos_sin(

@@ -253,3 +253,18 @@ def test_conventions_a_kind_cannot_follow_are_refused_by_name() -> None:
     reading = moe_config(router=router_config("attention", sigma=1.0, heads=(0,)), layers=(0,))
     with pytest.raises(ConfigError, match="router kind attention reads plain attention; this model has sliding-window"):
         dataclasses.replace(lm_config(moe=reading), layer_attention=(LayerAttention(window=4), LayerAttention()))
+
+
+def test_a_models_layers_share_one_rotary_table() -> None:
+    """The cos/sin tables are built once for a model's context and shared by its layers (positions.rotary_tables),
+    equal to the tables built directly."""
+    from moe_serve.layers.positions import rotary_cos_sin
+    from moe_serve.models import MoETransformer
+
+    config = lm_config()
+    model = MoETransformer(config)
+    model.prepare()
+    first, *others = [layer.attn._rotary for layer in model.layers]
+    assert others and all(t[0] is first[0] and t[1] is first[1] for t in others)
+    want = rotary_cos_sin(torch.arange(config.max_position_embeddings), config.head_dim, config.rope_theta)
+    assert torch.equal(first[0], want[0]) and torch.equal(first[1], want[1])
