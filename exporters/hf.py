@@ -764,19 +764,21 @@ def _experts(
     return {f"{dst}{name}": torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
 
 
+def _reorder_heads(rows: torch.Tensor, head_dim: int, order: torch.Tensor) -> torch.Tensor:
+    """Rows of a q or k projection (or its bias, or a per-head norm's weights), each head's head_dim rows taken in
+    `order`. The same reorder on q and k leaves every q . k, the per-head norms and the output as they were."""
+    return rows.reshape(-1, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape).contiguous()
+
+
 def _pairs_to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a q or k projection, per head, reordered from rotary on interleaved pairs (Llama 4: (x0, x1),
-    (x2, x3), ..., as complex numbers) to rotary on halves (x_j with x_{j + Dh/2}), the convention moe-serve
-    computes: the same permutation on q and k leaves every q . k, the per-head L2 norm and the output as
-    they were."""
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
-    return weight.reshape(-1, head_dim, weight.shape[-1])[:, order].reshape(weight.shape).contiguous()
+    """Llama 4 rotates interleaved pairs (x0, x1), (x2, x3), ... as complex numbers: its heads' rows put in the
+    order of rotary on halves (x_j with x_{j + Dh/2})."""
+    return _reorder_heads(weight, head_dim, hf_deepseek.interleaved_to_halves(head_dim))
 
 
 def _partial_rotary_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """Per head (the leading axis in blocks of head_dim), the source's order (its first rotary_dim dims rotate
-    as two halves, the rest pass through) -> ModelConfig.rotary_dim's: rotated halves at 0 and head_dim / 2,
-    each followed by half of the pass-through dims. The same reorder on q and k leaves q . k unchanged."""
+    """GLM-4.5's order (the first rotary_dim dims of a head rotate as two halves, the rest pass through) ->
+    ModelConfig.rotary_dim's: rotated halves at 0 and head_dim / 2, each followed by half of the pass-through."""
     r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
     order = torch.cat(
         [
@@ -786,7 +788,7 @@ def _partial_rotary_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> 
             torch.arange(rotary_dim + p, head_dim),
         ]
     )
-    return rows.reshape(-1, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape).contiguous()
+    return _reorder_heads(rows, head_dim, order)
 
 
 def _gpt_oss_experts(

@@ -132,9 +132,14 @@ def model_fields(hf: dict[str, Any], scaling: RopeScaling | None) -> dict[str, A
     }
 
 
+def interleaved_to_halves(n: int) -> torch.Tensor:
+    """The order taking n rows holding rotary pairs (x0, x1), (x2, x3), ... to the evens, then the odds: rotary on
+    halves, the convention moe-serve computes (DeepSeek's rope rows, Llama 4's q/k heads)."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
 def _deinterleave(rope_rows: torch.Tensor) -> torch.Tensor:
-    """[P, ...] rows holding rotary pairs (x0, x1), (x2, x3), ... -> the evens, then the odds."""
-    return torch.cat([rope_rows[0::2], rope_rows[1::2]])
+    return rope_rows[interleaved_to_halves(rope_rows.shape[0])]
 
 
 def attention_weights(
