@@ -249,6 +249,13 @@ class LayerAttention:
             if getattr(self, name) is not None:
                 check_size(f"layer_attention[].{name}", getattr(self, name), MAX_POSITIONS)
 
+    @property
+    def reach(self) -> int | None:
+        """The most keys back a query of this layer reads, itself included (a window, or its local chunk);
+        None: every earlier key. Blocks of keys wholly before that are never read again (engine.kv_cache)."""
+        spans = [n for n in (self.window, self.chunk) if n is not None]
+        return min(spans) if spans else None
+
 
 PLAIN_ATTENTION = LayerAttention()
 
@@ -480,15 +487,6 @@ class ModelConfig:
             "multi-head latent attention": self.latent_attention is not None,
         }
         return tuple(name for name, used in found.items() if used)
-
-    @property
-    def attention_reach(self) -> int | None:
-        """When every layer reads only recent keys (a window, or its local chunk): the most keys back any query
-        reads, itself included; blocks of keys wholly before that can be freed. None: some layer reads all."""
-        spans = self.layer_attention
-        if spans is None or any(a.window is None and a.chunk is None for a in spans):
-            return None
-        return max(min(n for n in (a.window, a.chunk) if n is not None) for a in spans)
 
     def attention_of(self, index: int) -> LayerAttention:
         """Layer `index`'s attention span and positions."""

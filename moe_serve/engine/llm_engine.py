@@ -48,7 +48,9 @@ class LLMEngine:
         shape = cache_shape(self.model_config, dtype, budget, config.block_size)
         self.runner: Runner = artifact.make_runner(device, shape, config)
         self.cache_shape = shape
-        self.blocks = BlockManager(shape.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            shape.num_blocks, config.block_size, config.enable_prefix_caching, shape.layout.reaches
+        )
         scheduler_config = SchedulerConfig(
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -57,8 +59,6 @@ class LLMEngine:
             long_prefill_chunk=config.long_prefill_chunk,
             max_long_prefills=config.max_long_prefills,
             long_prefill_alone_seconds=config.long_prefill_alone_ms / 1000,
-            # a router that keeps per-token state reads every earlier token's (graph-of-tokens routing)
-            attention_reach=self.model_config.attention_reach if not router_state_sizes(self.model_config) else None,
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self._calibrate_costs(config)
@@ -68,7 +68,7 @@ class LLMEngine:
             self.model_config,
             self.tokenizer,
             self.max_model_len,
-            shape.num_tokens,
+            shape.sequence_tokens,
             kv_budget,
             config.block_size,
             config.max_num_batched_tokens,

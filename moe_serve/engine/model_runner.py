@@ -7,6 +7,7 @@ Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -37,6 +38,7 @@ class TorchRunner:
         self.config = model.config
         self.device = device
         self.cache = KVCache(model.config, cache_shape, device, dtype) if model.config.is_causal else None
+        self._layer_groups = cache_shape.layout.layer_groups  # each layer's KV group
         # Decode-only steps as CUDA graphs, where they apply (engine.decode_graphs); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = decode_graphs_for(
             model, self.cache, engine_config.max_num_seqs, device, engine_config.cuda_graphs
@@ -65,7 +67,8 @@ class TorchRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         seq_ids: list[int] = []
-        slots: list[int] = []
+        num_groups = len(self.cache.shape.layout.groups) if self.cache is not None else 1
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
         block_size = self.cache.shape.block_size if self.cache is not None else 0
         for s, item in enumerate(items):
             seq = item.seq
@@ -73,19 +76,12 @@ class TorchRunner:
             positions += range(item.start, item.end)
             seq_ids += [s] * item.num_tokens
             if uses_cache:
-                table = seq.block_table
-                slots += [table[p // block_size] * block_size + p % block_size for p in range(item.start, item.end)]
+                for group, table in zip(slots, seq.block_tables, strict=True):
+                    group += [table[p // block_size] * block_size + p % block_size for p in range(item.start, item.end)]
         lens = tuple(item.num_tokens for item in items)
         num_keys = tuple(item.end if uses_cache else item.num_tokens for item in items)
-        batch = self._batch(
-            positions,
-            seq_ids,
-            [item.seq.k_spec for item in items],
-            lens,
-            num_keys,
-            [item.seq.block_table for item in items] if uses_cache else None,
-            slots,
-        )
+        tables = [[item.seq.block_tables[g] for item in items] for g in range(num_groups)] if uses_cache else None
+        batch = self._batch(positions, seq_ids, [item.seq.k_spec for item in items], lens, num_keys, tables, slots)
         return self.model(torch.tensor(token_ids, device=self.device), batch), lens, batch  # [T, D]
 
     def _batch(
@@ -95,20 +91,16 @@ class TorchRunner:
         specs: list[KSpec],
         lens: tuple[int, ...],
         num_keys: tuple[int, ...],
-        block_tables: list[list[int]] | None,
-        slots: list[int],
+        block_tables: list[list[list[int]]] | None,
+        slots: list[list[int]],
     ) -> ForwardBatch:
-        """specs: each sequence's k spec, applied to all of its tokens."""
+        """specs: each sequence's k spec, applied to all of its tokens. block_tables and slots: per KV group,
+        each sequence's table and each token's cache row."""
         device = self.device
         starts, offset = [], 0
         for n in lens:
             starts.append(offset)
             offset += n
-        tables = slot_mapping = None
-        if block_tables is not None:
-            width = max(len(t) for t in block_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32, device=device)
-            slot_mapping = torch.tensor(slots, device=device)
         attention = AttentionBatch(
             seq_ids=torch.tensor(seq_ids, device=device),
             positions=torch.tensor(positions, device=device),
@@ -116,9 +108,22 @@ class TorchRunner:
             seq_starts=torch.tensor(starts, device=device),
             seq_lens=lens,
             num_keys_host=num_keys,
-            block_tables=tables,
-            slot_mapping=slot_mapping,
         )
+        groups: tuple[AttentionBatch, ...] = ()
+        if block_tables is not None:
+            groups = tuple(
+                dataclasses.replace(
+                    attention,
+                    block_tables=torch.tensor(
+                        [t + [0] * (max(len(t) for t in tables) - len(t)) for t in tables],
+                        dtype=torch.int32,
+                        device=device,
+                    ),
+                    slot_mapping=torch.tensor(rows, device=device),
+                )
+                for tables, rows in zip(block_tables, slots, strict=True)
+            )
+            attention = groups[0]
         caches = self.cache.layers if (self.cache is not None and block_tables is not None) else None
         latent = self.cache.latent if (self.cache is not None and block_tables is not None) else None
         states = self.cache.router_states if (caches is not None and self.cache is not None) else None
@@ -148,6 +153,8 @@ class TorchRunner:
             adaptive,
             decode_stack=self.decode_stack,
             latent_caches=latent or None,
+            group_attention=groups if len(groups) > 1 else (),
+            layer_groups=self._layer_groups if len(groups) > 1 else (),
         )
 
     def _experts(self, output: SchedulerOutput, batch: ForwardBatch) -> dict[int, tuple[int, list[int] | None]]:

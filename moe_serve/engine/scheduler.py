@@ -51,9 +51,6 @@ class SchedulerConfig:
     # When long prompts are all a step runs, their chunks may cost this many seconds (bulk scoring keeps its
     # throughput; a request arriving meanwhile waits at most this long for the step in flight).
     long_prefill_alone_seconds: float = 0.2
-    # Every layer reads at most this many most recent keys (ModelConfig.attention_reach): the blocks wholly
-    # before a sequence's reach are freed as it advances. None: a sequence keeps all its blocks.
-    attention_reach: int | None = None
 
 
 @dataclass(slots=True)
@@ -174,10 +171,10 @@ class Scheduler:
                     continue
                 if seq.num_tokens > self._budget:
                     break
-                n, cached = seq.num_tokens, []
+                n = seq.num_tokens
             else:
-                cached = [] if seq.needs_prompt_logits else self.blocks.cached_prefix(seq)
-                start = len(cached) * self.blocks.block_size
+                cached = self.blocks.no_prefix() if seq.needs_prompt_logits else self.blocks.cached_prefix(seq)
+                start = cached.num_blocks * self.blocks.block_size
                 long = self.is_long(seq, start)
                 if long and long_slots <= 0:
                     skipped.append(self.waiting.popleft())
@@ -251,14 +248,12 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput) -> None:
         """After the runner computed a step: advance each sequence and publish its full blocks."""
-        reach = self.config.attention_reach
         for item in output.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.end
             if seq.uses_kv_cache:
                 self.blocks.commit(seq)
-                if reach is not None:  # the next query, at num_computed_tokens, reads from reach - 1 back
-                    self.blocks.release_before(seq, seq.num_computed_tokens - reach + 1)
+                self.blocks.release_unreachable(seq)
 
     def finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         """End a sequence (stop, length, abort, error) and give its blocks back, wherever it is."""
@@ -266,7 +261,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_tables:
             self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

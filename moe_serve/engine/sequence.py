@@ -42,9 +42,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
-    block_table: list[int] = field(default_factory=list)
-    num_released_blocks: int = 0  # leading entries of block_table given back (BlockManager.release_before)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks in block_table, in order
+    # One block table per KV group (engine.kv_cache.KVLayout; one group for most models), empty while it holds
+    # no blocks; the entries a group gave back are RELEASED (BlockManager.release_unreachable).
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_released_blocks: list[int] = field(default_factory=list)  # per group: leading entries given back
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks in each table, in order
     # Results.
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -96,6 +98,11 @@ class Sequence:
         else:
             per_layer = [self.k * self.expert_tokens] * len(moe_layers)
         return ExpertCounts(self.expert_tokens, tuple(zip(moe_layers, per_layer, strict=True)))
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table: the only one of a model with one KV group."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -139,14 +139,15 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, AttentionInputs | None]:
         t, h, dh = x.shape[0], self.num_heads, self.head_dim
         q, k, v = self.project(x)
+        attention = batch.attention_of(layer)
         rotary = None
         if self._rotary is not None:
-            positions = batch.attention.positions
+            positions = attention.positions
             rotary = (self._rotary[0][positions], self._rotary[1][positions])  # cos, sin [T, Dh]
         cache = None if batch.kv_caches is None else batch.kv_caches[layer]
-        q, k = ops.rotary_write(q, k, v, rotary, cache, batch.attention)
+        q, k = ops.rotary_write(q, k, v, rotary, cache, attention)
         if self.temperature is not None:  # in fp32, as transformers, then back to q's dtype
-            q = (q.float() * _temperature(self.temperature, batch.attention.positions)[:, None, None]).to(q.dtype)
+            q = (q.float() * _temperature(self.temperature, attention.positions)[:, None, None]).to(q.dtype)
         relative = None
         if self._r_k is not None:
             relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
@@ -156,7 +157,7 @@ class Attention(nn.Module):
             q.contiguous(),
             k,
             v,
-            batch.attention,
+            attention,
             cache,
             self.is_causal,
             self.scale,

@@ -44,6 +44,14 @@ class ForwardBatch:
     decode_stack: Any = None
     # Per layer of a latent-attention model, its latent cache (kernels.latent) in place of keys and values.
     latent_caches: list[LatentCache] | None = None
+    # A model with several KV groups (engine.kv_cache.KVLayout): each group's block tables and cache rows, and
+    # each layer's group; empty for one group, whose are `attention`'s.
+    group_attention: tuple[AttentionBatch, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def attention_of(self, layer: int) -> AttentionBatch | PaddedBatch:
+        """Where layer `layer`'s keys are: its KV group's block tables and cache rows."""
+        return self.group_attention[self.layer_groups[layer]] if self.layer_groups else self.attention
 
     @classmethod
     def whole_sequences(cls, lengths: list[int], ks: list[int], device: torch.device | str = "cpu") -> ForwardBatch:

@@ -22,6 +22,8 @@ import torch
 from transformers.models.phimoe import modeling_phimoe
 
 from moe_serve import LLM, EngineConfig, SamplingParams
+from moe_serve.engine.block_manager import RELEASED
+from moe_serve.engine.kv_cache import kv_layout
 from moe_serve.errors import ValidationError
 from moe_serve.exporters import mxfp4
 from moe_serve.exporters.base import ExportError
@@ -335,30 +337,42 @@ def test_a_multimodal_llama4_checkpoint_exports_its_text_model(tmp_path: Path, c
 
 
 @pytest.mark.slow
-def test_a_sliding_window_model_gives_back_the_blocks_its_window_left(exported, monkeypatch) -> None:
-    """Mixtral with a window of 8 keys on every layer, blocks of 16: over 200 generated tokens a sequence holds
-    at most the two blocks its window can span plus the one it fills, and its tokens still equal transformers'
-    (the window's keys are all there; no released block is read)."""
-    src, artifact = exported["mixtral_window"]
+@pytest.mark.parametrize("name", ["mixtral_window", "gpt_oss", "llama4"])
+def test_a_sliding_window_model_gives_back_the_blocks_its_window_left(exported, monkeypatch, name: str) -> None:
+    """A window of 8 keys, blocks of 16: Mixtral slides on every layer (one KV group), gpt-oss on alternate
+    layers (a full and a sliding group of two layers each, engine.kv_cache); Llama 4 reads local chunks of 8
+    on three layers of four (a full group and three chunked ones, a layer each). Over 200 generated tokens a
+    local group holds at most the two blocks its window can span plus the one it fills while the full group
+    keeps them all, and the tokens still equal transformers' (the window's keys are all there; no released
+    block is read). A second run of the same prompt finds its first two blocks in the prefix cache (a local
+    group's within its reach only) and generates the same tokens."""
+    src, artifact = exported[name]
     llm = LLM(artifact, EngineConfig(block_size=16))
-    assert llm.engine.scheduler.config.attention_reach == 8
-    held: list[int] = []
+    reaches = {"mixtral_window": (8,), "gpt_oss": (None, 8), "llama4": (None, 8, 8, 8)}[name]
+    assert llm.engine.blocks.reaches == reaches
+    held: list[list[int]] = []
     update = llm.engine.scheduler.update
 
     def recording(output) -> None:
         update(output)
-        held.append(llm.engine.blocks.num_used_blocks)
+        seq = output.scheduled[0].seq
+        held.append([sum(b != RELEASED for b in table) for table in seq.block_tables])
 
     monkeypatch.setattr(llm.engine.scheduler, "update", recording)
     prompt = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(6))
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     got = llm.generate([prompt[0].tolist()], params)[0].outputs[0].token_ids
     with torch.no_grad():
-        model = FAMILIES["mixtral_window"][0].from_pretrained(src).eval()
+        model = FAMILIES[name][0].from_pretrained(src).eval()
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=200, do_sample=False)
     assert got == want[0, 40:].tolist()
-    assert max(held[1:]) <= 3 and len(held) > 150  # 240 tokens would take 15 blocks without the release
+    assert len(held) > 150
+    for group, reach in enumerate(reaches):
+        most = max(step[group] for step in held[1:])
+        assert most == 15 if reach is None else most <= 3  # 240 tokens take 15 blocks without the release
     assert llm.engine.blocks.num_used_blocks == 0  # and the finished sequence gave back the rest
+    again = llm.generate([prompt[0].tolist()], params)[0]
+    assert again.outputs[0].token_ids == got and llm.engine.blocks.stats.hit_tokens == 32
 
 
 def test_keys_a_released_config_omits_mean_what_transformers_defaults_them_to(caplog) -> None:
@@ -389,7 +403,8 @@ def test_keys_a_released_config_omits_mean_what_transformers_defaults_them_to(ca
     )
     assert config.rope_scaling.low_freq_factor == config.rope_scaling.high_freq_factor == 1.0
     assert config.max_position_embeddings == 1 << 20 and "capped to it" in caplog.text
-    assert config.attention_reach is None  # its global layers read every key: no block is released
+    layout = kv_layout(config)  # its global layers read every key, its chunked ones release what is behind
+    assert layout.reaches == (None, 8192, 8192, 8192) and layout.groups[0].layers == (3, 7)
     trimmed = {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -79,12 +79,12 @@ def test_preemption_frees_the_latest_and_recomputes_it_from_the_prefix_cache() -
 
 
 def test_a_windowed_model_gives_back_blocks_behind_every_window_and_keeps_shared_ones() -> None:
-    """attention_reach 5 (every layer reads at most its last 5 keys), blocks of 4: after each step the blocks
+    """A reach of 5 (every layer reads at most its last 5 keys), blocks of 4: after each step the blocks
     wholly before the next query's reach are released (table entry RELEASED); a block two sequences share
     stays until both release it; a released block keeps its hash, so the prefix cache still finds it."""
     from moe_serve.engine.block_manager import RELEASED
 
-    s = Scheduler(SchedulerConfig(8, 64, attention_reach=5), BlockManager(16, BS, True))
+    s = Scheduler(SchedulerConfig(8, 64), BlockManager(16, BS, True, reaches=(5,)))
     s.add(a := seq(10, name="a"))
     run_step(s)  # 10 computed: the next query (position 10) reads from 6, so block 0 (positions 0-3) goes
     second = a.block_table[1]
@@ -97,7 +97,7 @@ def test_a_windowed_model_gives_back_blocks_behind_every_window_and_keeps_shared
     assert a.block_table[1] == RELEASED and s.blocks.blocks[second].ref_count == 1
     run_step(s)
     assert b.block_table[1] == RELEASED and s.blocks.blocks[second].ref_count == 0
-    assert len(s.blocks.cached_prefix(seq(10, name="c"))) == 2  # both released blocks, still findable
+    assert s.blocks.cached_prefix(seq(10, name="c")).num_blocks == 2  # both released blocks, still findable
     s.finish(a, "stop")
     s.finish(b, "stop")
     assert s.blocks.num_used_blocks == 0
@@ -133,19 +133,47 @@ def test_scoring_never_takes_the_prefix_cache_shortcut() -> None:
     assert run_step(s) == [("s", 9)] and scored.num_cached_tokens == 0
 
 
+def test_a_full_group_keeps_every_block_while_a_local_group_gives_back_what_is_behind_its_reach() -> None:
+    """Two KV groups (gpt-oss: full layers, and sliding layers reading at most 5 keys), blocks of 4: each group
+    has its own table of distinct blocks; only the local one releases. A prefix-cache hit needs the full
+    group's blocks from the first and the local group's within the next query's reach only: with the local
+    block in reach gone, the hit falls back to a shorter prefix whose local blocks are all there."""
+    from moe_serve.engine.block_manager import RELEASED
+
+    s = Scheduler(SchedulerConfig(8, 64), BlockManager(32, BS, True, reaches=(None, 5)))
+    s.add(a := seq(10, name="a"))
+    run_step(s)  # 10 computed: the local group's next query (position 10) reads from 6, so its block 0 goes
+    full, local = a.block_tables
+    assert len(full) == len(local) == 3 and RELEASED not in full and local[0] == RELEASED
+    assert not set(full) & set(local[1:]) and s.blocks.num_used_blocks == 5
+    hit = s.blocks.cached_prefix(seq(10, name="b"))  # positions 0-7: the next query (8) reads from 4
+    assert hit.num_blocks == 2 and hit.tables == (tuple(full[:2]), (RELEASED, local[1]))
+    s.blocks.blocks[local[1]].token_ids = (9, 9, 9, 9)  # the local block in reach is gone (as if reused)
+    hit = s.blocks.cached_prefix(seq(10, name="b"))  # positions 0-3: the next query reads from 0, released but cached
+    assert hit.num_blocks == 1 and hit.tables[0] == (full[0],) and hit.tables[1] not in ((), (RELEASED,))
+    s.add(b := seq(10, name="b"))
+    run_step(s)  # a decodes, b is admitted with the one-block hit (its released local block revived)
+    assert b.num_cached_tokens == 4 and s.blocks.blocks[full[0]].ref_count == 2
+    s.blocks.blocks[full[0]].token_ids = (9, 9, 9, 9)  # the full group's first block gone: no hit at all
+    assert s.blocks.cached_prefix(seq(10, name="c")).num_blocks == 0
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    assert s.blocks.num_used_blocks == 0
+
+
 def test_lru_eviction_and_a_hash_collision_guard() -> None:
     manager = BlockManager(num_blocks=2, block_size=BS)
     a = seq(5, name="a")
-    manager.allocate(a, 5, [])
+    manager.allocate(a, 5, manager.no_prefix())
     a.num_computed_tokens = 5
     manager.commit(a)
     manager.free(a)
-    assert manager.cached_prefix(seq(5, name="again")) == [a_block := manager.cached_prefix(seq(5))[0]]
+    assert manager.cached_prefix(seq(5, name="again")).ids == [a_block := manager.cached_prefix(seq(5)).ids[0]]
     b = seq(8, name="b", first=40)
-    manager.allocate(b, 8, [])  # takes both free blocks: a's cached block is evicted
-    assert a_block in b.block_table and manager.cached_prefix(seq(5)) == []
+    manager.allocate(b, 8, manager.no_prefix())  # takes both free blocks: a's cached block is evicted
+    assert a_block in b.block_table and manager.cached_prefix(seq(5)).num_blocks == 0
     manager.blocks[a_block].token_ids = (9, 9, 9, 9)  # same hash, other tokens: not a hit
-    assert manager.cached_prefix(seq(5)) == []
+    assert manager.cached_prefix(seq(5)).num_blocks == 0
 
 
 def test_abort_frees_blocks_at_once_wherever_the_sequence_is() -> None:
