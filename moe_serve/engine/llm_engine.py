@@ -88,7 +88,8 @@ class LLMEngine:
             return
         long = min(CALIBRATION_TOKENS, config.max_num_batched_tokens, self.max_model_len)
         k = self.model_config.moe.default_k if self.model_config.moe else 1
-        self.scheduler.costs.calibrate(lambda n: self.runner.prompt_seconds(n, k), long // 8, long)
+        # max(1, ...): a step budget under 8 tokens still times a one-token prompt (calibrate skips long <= short)
+        self.scheduler.costs.calibrate(lambda n: self.runner.prompt_seconds(n, k), max(1, long // 8), long)
 
     # ---- requests -------------------------------------------------------------------------------
 

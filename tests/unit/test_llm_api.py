@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_serve import LLM, SamplingParams
+from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.errors import ValidationError
 from tests.conftest import NUM_EXPERTS, classifier_config, lm_config
 
@@ -175,3 +175,15 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_artifact)
         [[1] * 5, [2] * 5, [3] * 5, [4] * 5], SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [15] * 4
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_step_budget_under_the_calibration_prompts_still_serves(make_artifact, budget: int) -> None:
+    """The start-up cost calibration times a prompt of an eighth of the step budget: at most 7 tokens a step,
+    that was a prompt of none, and the engine did not start."""
+    artifact = make_artifact(lm_config(), seed=3)
+    want = LLM(artifact).generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0))
+    got = LLM(artifact, EngineConfig(max_num_batched_tokens=budget)).generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0)
+    )
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
