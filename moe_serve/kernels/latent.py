@@ -7,9 +7,13 @@ keys and values per head would take H * (nope + rope + v).
 
 Layout, per layer: one tensor [NB, BS, C]; row (block, offset) holds the token at that slot of the block
 manager, as the K/V cache's slots do, so prefill, chunked prefill, a prefix-cache hit and decode read and
-write the same rows. The attention is plain torch (one sequence at a time, scaled_dot_product_attention on
-its gathered rows), on every device: it reads sequence lengths on the host, so CUDA-graph decode refuses it
-(engine.decode_graphs), as it refuses every attention feature the static kernels lack.
+write the same rows. On the CPU, with float32 queries and cache, the attention is the C++ kernel
+(csrc/cpu_kernels.cpp, latent_attention: an online softmax per query and head, each cache row read once for a
+block of heads, any block size; a row's result is bitwise the same whatever it is batched with). Elsewhere (CUDA,
+bf16, no cache, MOE_SERVE_KERNELS=torch) it is plain torch: one sequence at a time, scaled_dot_product_attention
+on its gathered rows, or a decode-only step in one batched product. Neither has a static form: both read
+sequence lengths on the host, so CUDA-graph decode refuses latent attention (engine.decode_graphs), as it
+refuses every attention feature the static kernels lack.
 
 Legend: T tokens of the step, H query heads, C = R + P (latent R, rope P), NB blocks, BS block size.
 """
@@ -21,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from moe_serve.kernels import ops
 from moe_serve.kernels.ops import AttentionBatch
 
 
@@ -58,6 +63,20 @@ def latent_attention(
     """q [T, H, C] (each head's query mapped into the latent, then its rotated rope part), latent [T, C] this
     step's rows (already in the cache when there is one) -> [T, H, R]: softmax(q . key * scale) over each
     query's earlier keys of its own sequence, times the keys' latents (their first R values)."""
+    ext = ops._cpu_ext(q)
+    if ext is not None and cache is not None and cache.latent.dtype == torch.float32:
+        assert batch.block_tables is not None
+        return ext.latent_attention(
+            q, cache.latent, batch.block_tables, batch.seq_ids, batch.positions, batch.num_keys, rank, scale
+        )
+    return latent_attention_torch(q, latent, batch, cache, rank, scale)
+
+
+def latent_attention_torch(
+    q: torch.Tensor, latent: torch.Tensor, batch: AttentionBatch, cache: LatentCache | None, rank: int, scale: float
+) -> torch.Tensor:
+    """latent_attention in plain torch, on any device and dtype: a decode-only step in one batched product
+    (_decode), anything else one sequence at a time."""
     padded = len(batch.seq_lens) * max(batch.num_keys_host)
     if cache is not None and len(batch.seq_lens) > 1 and max(batch.seq_lens) == 1 and padded <= MAX_PADDED_KEYS:
         return _decode(q, batch, cache, rank, scale)
