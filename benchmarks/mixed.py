@@ -79,12 +79,13 @@ def kv_memory(artifact_dir: Path, budget: int) -> dict[str, int]:
     """What the cache allocates for a byte budget: never more than the budget."""
     engine = LLMEngine(load_artifact(artifact_dir), EngineConfig(kv_cache_memory=budget), torch.device("cpu"))
     shape = engine.cache_shape
-    allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.cache.layers)
+    slots = {id(pair): pair for pair in engine.runner.cache.layers}.values()  # layers of KV groups share a slot's
+    allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in slots)
     return {
         "budget_bytes": budget,
         "allocated_bytes": allocated,
         "blocks": shape.num_blocks,
-        "tokens": shape.num_tokens,
+        "tokens": shape.sequence_tokens,  # one sequence's, as if no KV group gave blocks back
     }
 
 

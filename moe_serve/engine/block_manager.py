@@ -114,13 +114,20 @@ class BlockManager:
             if any(find(group, i) is None for group in full):  # full groups need every block from the first
                 break
             n = i + 1
-        local = [(group, reach) for group, reach in enumerate(self.reaches) if reach is not None]
-        while n > 0 and any(
-            find(group, i) is None
-            for group, reach in local
-            for i in range(self._first_kept(reach, n * self.block_size), n)
-        ):
-            n -= 1
+        # The longest n whose local groups all have every block from the next query's first key on: per group,
+        # the last missing block before each n, in one pass (not a rescan of the reach for every n tried).
+        local: list[tuple[int, list[int]]] = []  # (reach, the last missing block before each n)
+        for group, reach in enumerate(self.reaches):
+            if reach is not None:
+                missing_before = [-1]
+                for i in range(n):
+                    missing_before.append(i if find(group, i) is None else missing_before[-1])
+                local.append((reach, missing_before))
+        n = next(
+            m
+            for m in range(n, -1, -1)
+            if all(before[m] < self._first_kept(reach, m * self.block_size) for reach, before in local)
+        )
 
         def entry(group: int, reach: int | None, i: int) -> int:
             block_id = find(group, i) if i >= self._first_kept(reach, n * self.block_size) else RELEASED
@@ -203,10 +210,9 @@ class BlockManager:
         for group, reach in enumerate(self.reaches):
             table = seq.block_tables[group]
             end = min(self._first_kept(reach, seq.num_computed_tokens), len(table))
-            for i in range(seq.num_released_blocks[group], end):
-                if table[i] != RELEASED:
-                    self._release(table[i])
-                    table[i] = RELEASED
+            for i in range(seq.num_released_blocks[group], end):  # the entries before are RELEASED already
+                self._release(table[i])
+                table[i] = RELEASED
             seq.num_released_blocks[group] = max(seq.num_released_blocks[group], end)
 
     def _release(self, block_id: int) -> None:
@@ -216,11 +222,14 @@ class BlockManager:
             self._free[block_id] = None
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks, tail first (so a shared prefix outlives its tails)."""
-        for table in seq.block_tables:
-            for block_id in reversed(table):
-                if block_id != RELEASED:
-                    self._release(block_id)
+        """Release a sequence's blocks, tail first across the groups (so a shared prefix outlives its tails,
+        which LRU reuses first), and at each position the local groups' before the full ones' (a hit needs
+        the full groups' blocks from the first, a local group's only near its end)."""
+        order = sorted(range(len(seq.block_tables)), key=lambda g: self.reaches[g] is None)
+        for i in reversed(range(len(seq.block_table))):
+            for group in order:
+                if seq.block_tables[group][i] != RELEASED:
+                    self._release(seq.block_tables[group][i])
         seq.block_tables = []
         seq.num_released_blocks = []
         seq.block_hashes = []

@@ -302,6 +302,7 @@ def decode_graphs_for(
         return None
     if unsupported_reason(model.config) is not None:
         return None
+    assert len(cache.shape.layout.groups) == 1  # several come only from windows or chunks, refused above
     graphs = DecodeGraphs(model, cache, max_num_seqs, device, capture=True)
     graphs.capture_all()
     return graphs

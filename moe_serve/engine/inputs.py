@@ -21,7 +21,9 @@ class InputProcessor:
     config: ModelConfig
     tokenizer: Tokenizer
     max_model_len: int  # prompt + completion tokens
-    kv_capacity: int  # tokens the whole KV cache holds (its blocks times the block size)
+    # Tokens one sequence can hold with the whole cache to itself (CacheShape.sequence_tokens: with several KV
+    # groups, a block a group per block_size tokens, as if no group gave any back).
+    kv_capacity: int
     kv_budget: int  # the configured budget in tokens, as the user knows it
     block_size: int  # a sequence holds whole blocks
     max_step_tokens: int  # tokens in one engine step: a classified input must fit whole
@@ -180,10 +182,11 @@ class InputProcessor:
                 f"context of {self.max_model_len} tokens",
                 parameter="max_tokens",
             )
-        if -(-need // self.block_size) * self.block_size * params.n > self.kv_capacity:
+        if self._kv_tokens(need) * params.n > self.kv_capacity:
             raise ValidationError(
                 f"this request needs {need * params.n} tokens of KV cache (prompt + max_tokens, times n) but the "
-                f"engine's budget is {self.kv_budget}; it can never run (the cache holds {self.kv_capacity} tokens)",
+                f"engine's budget is {self.kv_budget}; it can never run (one sequence holds at most "
+                f"{self.kv_capacity} tokens)",
                 parameter="max_tokens",
             )
         return k
@@ -202,12 +205,23 @@ class InputProcessor:
         return token_ids
 
     def check_score_input(self, token_ids: list[int], index: int | None = None) -> list[int]:
+        where = "input" if index is None else f"input[{index}]"
         if len(token_ids) < 2:
-            where = "input" if index is None else f"input[{index}]"
             raise ValidationError(
                 f"{where} must have at least 2 tokens to be scored (the first token has no context)", parameter="input"
             )
+        if self._kv_tokens(len(token_ids)) > self.kv_capacity:  # else it would wait forever, and all behind it
+            raise ValidationError(
+                f"{where} has {len(token_ids)} tokens, which need that many tokens of KV cache to be scored, but the "
+                f"engine's budget is {self.kv_budget}; it can never run (one sequence holds at most "
+                f"{self.kv_capacity} tokens)",
+                parameter="input",
+            )
         return token_ids
+
+    def _kv_tokens(self, num_tokens: int) -> int:
+        """Cache tokens a sequence of num_tokens takes: whole blocks."""
+        return -(-num_tokens // self.block_size) * self.block_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,10 @@ allocator does: every group has its own block table per sequence (engine.block_m
 one pool of block ids and one set of per-slot tensors, slot j holding the j-th layer of every group. A block
 id taken by a group holds that group's layers only, so a sliding group gives its blocks back as its window
 moves on (they serve the other groups then) while the full groups keep theirs. With g layers a group, a block
-costs g layers' keys and values instead of every layer's: gpt-oss (12 sliding, 12 full layers) holds twice
-the tokens of long sequences in the same memory, Llama 4 (36 chunked, 12 global) four times.
+costs g layers' keys and values instead of every layer's: in the same memory gpt-oss (12 sliding, 12 full
+layers) has twice the block ids, Llama 4 (36 chunked, 12 global) four times, and sequences past their windows
+take about one block id per block of tokens instead of one per group. (A request is still admitted only if it
+would fit with no group giving blocks back: CacheShape.sequence_tokens.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def kv_layout(config: ModelConfig) -> KVLayout:
     """The full layers (reading every earlier key) and the local ones (a window or a local chunk), each cut
     into groups of the greatest common size; one group where all layers are alike. Local layers of different
     reaches share groups at the widest reach. A model with a stateful router keeps one group that reads all:
-    its router reads every earlier token's state, block-aligned with the keys."""
+    its router reads every earlier token's state, block-aligned with the keys. Several groups come only with
+    windows or chunks, which ModelConfig.attention_features names: the paths that refuse those (the decode
+    stack, CUDA graphs, the ONNX export, the vLLM plugin) always see one group and read seq.block_table."""
     layers = tuple(range(config.num_layers))
     reaches = [config.attention_of(i).reach for i in layers]
     local = tuple(i for i in layers if reaches[i] is not None)
@@ -146,6 +150,7 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.latent: list[LatentCache] = []  # a latent-attention model's, in place of `layers`
         if config.latent_attention is not None:
+            assert shape.layout.num_slots == config.num_layers  # one group: ModelConfig refuses MLA with windows
             rows = latent_cache_shape(shape.num_blocks + 1, shape.block_size, config.latent_attention.cache_width)
             self.latent = [LatentCache(torch.empty(rows, dtype=dtype, device=device)) for _ in range(config.num_layers)]
         else:

@@ -209,7 +209,8 @@ class LLMEngine:
         result, failed = self._execute(output)
         for i, (tokens, per_layer) in result.experts.items():
             output.scheduled[i].seq.add_experts(tokens, per_layer)
-        self.scheduler.update(output)
+        # A failed item's keys of this step may be unwritten: its blocks must not reach the prefix cache.
+        self.scheduler.update(output, failed=[item.seq for item, _ in failed])
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
         sampled = sample(result.logits, samples, self.eos_token_ids) if samples else None  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ Nothing here touches tensors: the scheduler unit-tests without a model.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from moe_serve.engine.block_manager import BlockManager
@@ -246,10 +247,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def update(self, output: SchedulerOutput) -> None:
-        """After the runner computed a step: advance each sequence and publish its full blocks."""
+    def update(self, output: SchedulerOutput, failed: Collection[Sequence] = ()) -> None:
+        """After the runner computed a step: advance each sequence and publish its full blocks; the `failed`
+        ones (about to be finished with an error) are left as they are, their blocks unpublished."""
         for item in output.scheduled:
             seq = item.seq
+            if seq in failed:
+                continue
             seq.num_computed_tokens = item.end
             if seq.uses_kv_cache:
                 self.blocks.commit(seq)

@@ -83,6 +83,9 @@ def decode_stack_for(model: MoETransformer, cache: KVCache | None, enabled: bool
         logger.info("decode steps run layer by layer in Python: %s", reason)
         return None
     assert cache is not None
+    # Several KV groups come only from windows or chunks (engine.kv_cache.kv_layout), refused above: the stack
+    # reads the one block table a step has.
+    assert len(cache.shape.layout.groups) == 1
     return DecodeStack(model, cache)
 
 

@@ -353,8 +353,8 @@ def test_a_sliding_window_model_gives_back_the_blocks_its_window_left(exported, 
     held: list[list[int]] = []
     update = llm.engine.scheduler.update
 
-    def recording(output) -> None:
-        update(output)
+    def recording(output, failed=()) -> None:
+        update(output, failed)
         seq = output.scheduled[0].seq
         held.append([sum(b != RELEASED for b in table) for table in seq.block_tables])
 

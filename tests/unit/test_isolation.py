@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_serve import LLM, SamplingParams
+from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.model_runner import TorchRunner
 from tests.conftest import lm_config
 
@@ -62,3 +62,29 @@ def test_a_forward_that_fails_for_one_sequence_fails_only_it(llm: LLM, monkeypat
     assert seqs["poison"].finish_reason == "error" and "breaks the model" in str(seqs["poison"].error)
     assert [seqs[n].num_output_tokens for n in ("a", "b")] == [4, 4]
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used_blocks == 0
+
+
+def test_a_failed_step_publishes_none_of_its_blocks_to_the_prefix_cache(tmp_path, monkeypatch) -> None:
+    """A sequence whose step failed may have left its blocks unwritten (here: holding another request's keys):
+    the same prompt sent again must find none of them in the prefix cache, and generates what it generates in
+    an engine without a prefix cache."""
+    from moe_serve.testing import create_random_artifact
+
+    artifact = create_random_artifact(tmp_path / "lm", lm_config(), seed=9)
+    llm = LLM(artifact, EngineConfig(block_size=16))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(10, 50))  # two full blocks of 16, and more
+    llm.generate([[200 + i % 50 for i in range(64)]], params)  # its freed blocks are the next ones taken
+    original = TorchRunner.forward
+
+    def fails(self, output):
+        raise RuntimeError("failed before writing its keys")
+
+    monkeypatch.setattr(TorchRunner, "forward", fails)
+    assert run(llm, {"broken": (prompt, params)})["broken"].finish_reason == "error"
+    monkeypatch.setattr(TorchRunner, "forward", original)
+    hits = llm.engine.blocks.stats.hit_tokens
+    again = run(llm, {"again": (prompt, params)})["again"].output_token_ids
+    assert llm.engine.blocks.stats.hit_tokens == hits  # nothing found: the failed step published nothing
+    alone = LLM(artifact, EngineConfig(block_size=16, enable_prefix_caching=False)).generate([prompt], params)
+    assert again == alone[0].outputs[0].token_ids

@@ -187,3 +187,12 @@ def test_a_step_budget_under_the_calibration_prompts_still_serves(make_artifact,
         [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0)
     )
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_a_score_input_the_cache_can_never_hold_is_refused_by_name(make_artifact) -> None:
+    """Generation requests were checked against the KV capacity, score inputs were not: one longer than the cache
+    waited forever at the head of the queue, and every request behind it with it."""
+    llm = LLM(make_artifact(lm_config(), seed=3), EngineConfig(block_size=16, kv_cache_tokens=64))
+    with pytest.raises(ValidationError, match="input has 121 tokens.*one sequence holds at most 64 tokens"):
+        llm.score(["x" * 120])
+    assert llm.score(["x" * 40])[0].num_tokens == 40  # and what fits is scored

@@ -161,6 +161,22 @@ def test_a_full_group_keeps_every_block_while_a_local_group_gives_back_what_is_b
     assert s.blocks.num_used_blocks == 0
 
 
+def test_a_finished_sequence_frees_its_tail_first_across_the_groups() -> None:
+    """A full group and a local one (its reach keeps every block here): freed position by position from the tail,
+    the local group's block before the full one's at each position, so the blocks LRU reuses first are the ones
+    a later hit needs last. After 4 of the 8 blocks are reused, the first two positions still hit."""
+    bm = BlockManager(8, BS, True, reaches=(None, 100))
+    a = seq(17, name="a")  # 4 full blocks and a token
+    bm.allocate(a, 16, bm.no_prefix())
+    a.num_computed_tokens = 16
+    bm.commit(a)
+    full, local = (list(t) for t in a.block_tables)
+    bm.free(a)
+    assert list(bm._free) == [b for i in (3, 2, 1, 0) for b in (local[i], full[i])]
+    bm.allocate(seq(8, name="x", first=100), 8, bm.no_prefix())  # takes the 4 least recently freed
+    assert bm.cached_prefix(seq(17)).num_blocks == 2
+
+
 def test_lru_eviction_and_a_hash_collision_guard() -> None:
     manager = BlockManager(num_blocks=2, block_size=BS)
     a = seq(5, name="a")
