@@ -62,6 +62,16 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, float_weight(weight, x.dtype), bias)
 
 
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y[t, h] = weight[h] @ x[t, h]: x [T, H, K], weight [H, N, K] -> [T, H, N] (latent attention's per-head
+    maps). On the CPU the C++ kernel, whose rows do not depend on T, up to LINEAR_MAX_ROWS tokens as `linear`;
+    elsewhere a batched matmul."""
+    ext = _cpu_ext(x)
+    if ext is not None and weight.dtype in (torch.float32, torch.bfloat16) and x.shape[0] <= LINEAR_MAX_ROWS:
+        return ext.head_linear(x, weight)
+    return torch.einsum("thk,hnk->thn", x, weight.to(x.dtype))
+
+
 def float_weight(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
     """A weight as a tensor of `dtype` for the torch and CUDA paths: a packed one dequantized (a copy)."""
     return weight.dequantize(dtype) if isinstance(weight, PackedWeight) else weight.to(dtype)
@@ -239,11 +249,30 @@ def moe_experts_torch(
     return (per_slot.float() * topk_weights[..., None]).sum(1).to(x.dtype)
 
 
+def row_invariant(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn computed in float64 on the CPU and rounded back to the input's dtype. ATen's CPU loops for sigmoid,
+    silu, tanh-gelu and log1p take a vectorised or a scalar path by the tensor's size, and the two differ in
+    the last bit, so a token's result moved with its batch (silu: a row among 9 rows of 4 against the row
+    alone); in float64 both paths are far below the rounding. relu, erf-gelu, exp and softmax need none of
+    this (tested: tests/unit/test_row_invariance.py). Other devices compute every element alike, and the ONNX
+    tracer records the plain op."""
+
+    def wrapped(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.jit.is_tracing() or x.dtype == torch.float64:
+            return fn(x)
+        return fn(x.double()).to(x.dtype)
+
+    return wrapped
+
+
+sigmoid = row_invariant(torch.sigmoid)
+log1p = row_invariant(torch.log1p)
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
-    "silu": F.silu,
+    "gelu_tanh": row_invariant(lambda v: F.gelu(v, approximate="tanh")),
+    "silu": row_invariant(F.silu),
 }
 
 
@@ -261,7 +290,7 @@ def glu(activation: str, gate: torch.Tensor, up: torch.Tensor, swiglu: SwiGLUCla
     if activation == "swigluoai":
         assert swiglu is not None, "the clamped SwiGLU needs its alpha and limit"
         g = gate.clamp(max=swiglu.limit)
-        return g * torch.sigmoid(g * swiglu.alpha) * (up.clamp(-swiglu.limit, swiglu.limit) + 1)
+        return g * sigmoid(g * swiglu.alpha) * (up.clamp(-swiglu.limit, swiglu.limit) + 1)
     return ACTIVATIONS[activation](gate) * up
 
 

@@ -189,7 +189,7 @@ class AttentionInputs:
 
 def _temperature(t: AttentionTemperature, positions: torch.Tensor) -> torch.Tensor:
     """[T] the query scale at each position (AttentionTemperature), in transformers' operations."""
-    return torch.log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
+    return ops.log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
 
 
 def _fuse(tensors: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWeight:

@@ -60,7 +60,7 @@ class LatentAttention(nn.Module):
         self.is_causal = True
         # Computed by prepare() after the weights are loaded.
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, P]
-        self._w_uk: torch.Tensor | None = None  # [H, N, R]
+        self._w_uk: torch.Tensor | None = None  # [H, R, N]: each head's key map, transposed (ops.head_linear's rows)
         self._w_uv: torch.Tensor | None = None  # [H, V, R]
 
     @torch.no_grad()
@@ -68,7 +68,7 @@ class LatentAttention(nn.Module):
         """The position tables for every position the context allows, and kv_b_proj's rows split per head."""
         weight = ops.float_weight(self.kv_b_proj.weight, self.kv_b_proj.weight.dtype)
         per_head = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        self._w_uk = per_head[:, : self.nope].contiguous()
+        self._w_uk = per_head[:, : self.nope].transpose(1, 2).contiguous()
         self._w_uv = per_head[:, self.nope :].contiguous()
         config = self.config
         self._rotary = rotary_tables(
@@ -100,10 +100,10 @@ class LatentAttention(nn.Module):
         if cache is not None:
             assert attention.slot_mapping is not None
             write_latent(cache, latent, attention.slot_mapping)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, self._w_uk.to(q.dtype))  # [T, H, R]
+        q_latent = ops.head_linear(q_nope.contiguous(), self._w_uk)  # [T, H, R]
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)  # [T, H, C]
         context = latent_attention(query, latent, attention, cache, self.rank, self.scale)  # [T, H, R]
-        out = torch.einsum("thr,hvr->thv", context, self._w_uv.to(context.dtype)).reshape(t, h * self.v_dim)
+        out = ops.head_linear(context, self._w_uv).reshape(t, h * self.v_dim)
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 

@@ -126,7 +126,7 @@ class MoEBlock(nn.Module):
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.config.shared_expert_gate:
-                shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
+                shared = ops.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
         return out
 

@@ -111,6 +111,25 @@ def test_greedy_tokens_and_logprobs_equal_transformers_through_prefill_chunks_an
     check_parity(engines[name], transformers_model(src, name, k, monkeypatch), k, len(name) + k, monkeypatch)
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_requests_at_three_k_batched_together_each_give_their_own_result_bitwise(exported, engines, name) -> None:
+    """The product's promise for every family: a step holding k = 1, the trained k and the largest (prompts of
+    different lengths, their blocks interleaved) gives each request exactly what it gets alone: tokens and
+    log-probabilities bitwise. (Llama 4's sigmoid router and GLM-4.5's broke it by an ulp: torch.sigmoid takes
+    another loop by the tensor's size; ops.sigmoid does not.)"""
+    src, _ = exported[name]
+    whole, _ = engines[name]
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (11, 23, 7)]
+    ks = sorted({_k(src, "small"), _k(src, "trained"), _k(src, "max")})
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, experts_per_token=k, logprobs=3) for k in ks]
+    prompts = prompts[: len(params)]
+    together = [out.outputs[0] for out in whole.generate(prompts, params)]
+    for prompt, param, got in zip(prompts, params, together, strict=True):
+        alone = whole.generate([prompt], param)[0].outputs[0]
+        assert (got.token_ids, got.logprobs, got.top_logprobs) == (alone.token_ids, alone.logprobs, alone.top_logprobs)
+
+
 def test_phimoe_conventions_in_the_artifact(exported) -> None:
     llm = LLM(exported["phimoe"][1])
     config = llm.config

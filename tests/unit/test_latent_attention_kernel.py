@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve.kernels import cpu_extension, latent
+from moe_serve.kernels import cpu_extension, latent, ops
 from moe_serve.kernels.latent import LatentCache
 from moe_serve.kernels.ops import AttentionBatch
 from tests.batches import use_kernels
@@ -244,3 +244,21 @@ def test_bad_inputs_are_refused_with_a_message(change, message: str) -> None:
         cpu_extension().latent_attention(
             a["q"], a["cache"], a["tables"], a["seq_ids"], a["positions"], a["num_keys"], a["rank"], 0.25
         )
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "inner", "out"), [(1, 24, 16), (4, 16, 40), (7, 48, 24)])
+def test_head_linear_is_each_heads_map_and_a_rows_result_never_depends_on_its_batch(dtype, heads, inner, out) -> None:
+    """The absorbed per-head maps (ops.head_linear, the C++ kernel): y[t, h] = w[h] x[t, h] against float64, and
+    each token's rows bitwise the same alone, in a batch of 7 and in one of 64 (a batched matmul's blocking
+    follows the token count, which moved a request's log-probabilities with its batch)."""
+    generator = torch.Generator().manual_seed(heads)
+    weight = torch.randn(heads, out, inner, generator=generator).to(dtype)
+    x = torch.randn(64, heads, inner, generator=generator)
+    want = torch.einsum("thk,hnk->thn", x.double(), weight.double())
+    got = ops.head_linear(x, weight)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    for t in (0, 5, 63):
+        assert torch.equal(ops.head_linear(x[t : t + 1], weight)[0], got[t])
+        assert torch.equal(ops.head_linear(x[max(0, t - 6) : t + 1], weight)[-1], got[t])

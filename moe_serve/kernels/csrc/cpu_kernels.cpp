@@ -557,6 +557,38 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& data, c
   return linear_operand(x, check_operand("linear_packed: weight", data.contiguous(), sc, parse_format(format), 2), bias);
 }
 
+// Per-head linear maps, y[t, h] = w[h] x[t, h] (x [T, H, K], w [H, N, K] float32 or bfloat16 -> [T, H, N]):
+// multi-head latent attention's absorbed key and value maps (moe_serve/layers/latent_attention.py). Each head
+// is a linear over its own rows of x through dot_rows, so a row's result is the same FMA chains whatever T
+// is (a batched matmul picks its blocking by T: a request's log-probabilities moved with its batch).
+torch::Tensor head_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "head_linear: weight must be float32 or bfloat16, got ", weight.scalar_type());
+  Operand w = check_operand("head_linear: weight", weight.contiguous(), c10::nullopt,
+                            weight.scalar_type() == at::kFloat ? Format::F32 : Format::BF16, 3);
+  const int64_t H = w.data.size(0), N = w.data.size(1), K = w.K;
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == H && x.size(2) == K, "head_linear: x must be [T, ", H, ", ", K,
+              "] for a weight [", H, ", ", N, ", ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "head_linear: x must be float32, got ", x.scalar_type());
+  const int64_t T = x.size(0), ldx = padded_stride(K);
+  // Each head's rows of x together, rows ldx apart (as linear_impl pads them: off each other's L1 sets).
+  std::vector<float> rows(H * T * ldx, 0.f);
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) std::copy(xp + (t * H + h) * K, xp + (t * H + h + 1) * K, rows.data() + (h * T + t) * ldx);
+  auto y = torch::empty({T, H, N}, xc.options());
+  float* yp = y.data_ptr<float>();
+  with_view(w, [&](const auto& view) {
+    auto body = [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) dot_rows(rows.data() + h * T * ldx, ldx, T, view.at(h * N), K, 0, N, yp + h * N, H * N);
+    };
+    if (small_work(T * H * N * K)) body(0, H);
+    else at::parallel_for(0, H, 1, body);
+  });
+  return y;
+}
+
 // ---- MoE experts -------------------------------------------------------------------------------------
 
 enum Activation : int64_t { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, SWIGLU_OAI = 4 };
@@ -1470,6 +1502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");
   m.def("packed_attention", &packed_attention, "attention over packed (varlen) keys, online softmax");
+  m.def("head_linear", &head_linear, "per-head linear maps y[t, h] = w[h] x[t, h], rows independent of T");
   m.def("latent_attention", &latent_attention,
         "multi-head latent attention over its paged cache of rows (keys and values at once), online softmax");
 }

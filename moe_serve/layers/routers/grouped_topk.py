@@ -31,6 +31,7 @@ import torch
 
 from moe_serve.config_schema import check_choice, check_float, check_size
 from moe_serve.errors import ConfigError
+from moe_serve.kernels import ops
 from moe_serve.layers.routers.base import Router, RouterConfig, RouterState, register
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class GroupedTopK(Router):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.settings
         rows, n = logits.shape
-        scores = torch.sigmoid(logits) if s.score == "sigmoid" else torch.softmax(logits, dim=-1)  # [R, N]
+        scores = ops.sigmoid(logits) if s.score == "sigmoid" else torch.softmax(logits, dim=-1)  # [R, N]
         choice = scores
         if s.correction_bias:
             assert self.bias is not None, "the MoE block binds the correction bias before routing (MoEBlock.prepare)"

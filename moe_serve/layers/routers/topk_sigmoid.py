@@ -25,7 +25,7 @@ class TopKSigmoid(Router):
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = ops.topk_route(logits, token_k, max_k, Weighting.UNIFORM)  # the top k by logit, -1 beyond k
-        weights = torch.sigmoid(logits.float().gather(1, ids.clamp(min=0)))
+        weights = ops.sigmoid(logits.float().gather(1, ids.clamp(min=0)))
         return ids, torch.where(ids >= 0, weights, torch.zeros_like(weights))
 
     def reference_weights(self, logits: list[float], chosen: list[int]) -> list[float]:
