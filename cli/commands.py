@@ -179,18 +179,18 @@ def _save_quality(rows: list, targets: list[Path]) -> None:
 
 
 def _stored_quality(args: argparse.Namespace) -> int:
-    """`moe-serve eval --stored`: each model's seed summary (provenance `seeds`), language models and
-    classifiers in their own tables."""
+    """`moe-serve eval --stored`: each model's seed summary (provenance `seeds`) and those of the controls
+    it carries (provenance `controls`), language models and classifiers in their own tables."""
     from moe_serve.artifact import read_manifest
-    from moe_serve.evaluation.table import format_seed_table
+    from moe_serve.evaluation.table import format_seed_table, stored_summaries
     from moe_serve.registry import bundled_models, resolve_model
 
     paths = {str(m): resolve_model(m) for m in args.models} if args.models else bundled_models()
     by_task: dict[str, dict[str, dict]] = {}
     for name, path in paths.items():
         manifest, config = read_manifest(path)
-        summary = (manifest.get("provenance") or {}).get("seeds")
-        if summary is None:
+        provenance = manifest.get("provenance") or {}
+        if not provenance.get("seeds"):
             if args.models:
                 raise ValidationError(
                     f"{name} carries no figures over training seeds (its provenance has no 'seeds'; "
@@ -198,9 +198,10 @@ def _stored_quality(args: argparse.Namespace) -> int:
                     parameter="models",
                 )
             continue
-        # The artifact's directory name, or what was given when two share it (runs/*/seed-*/artifact, say).
+        # The artifact's directory name, or what was given when two share it (runs/*/seed-*/artifact, say);
+        # then the controls it carries (recipes without bundled weights), by their own names.
         unique = sum(other.name == path.name for other in paths.values()) == 1
-        by_task.setdefault(config.task, {})[path.name if unique else name] = summary
+        by_task.setdefault(config.task, {}).update(stored_summaries(path.name if unique else name, provenance))
     text = "\n".join(f"[{task}]\n{format_seed_table(summaries)}" for task, summaries in sorted(by_task.items()))
     if not by_task:
         text = "no bundled demo carries figures over training seeds yet (python -m recipes.build_demos writes them)"

@@ -183,8 +183,9 @@ class TrainingCheckpoint(SafetensorsCheckpoint):
 
     def provenance(self, exporter: str, folded: str) -> dict:
         keys = (
-            *("recipe", "command", "seed", "steps", "split", "optimizer", "weight_decay", "autocast"),
-            *("hyperrouter_embedding_lr_scale", "metrics", "seeds"),
+            *("recipe", "command", "seed", "steps", "split", "optimizer", "weight_decay", "autocast", "precision"),
+            *("router_aux_loss_coef", "router_z_loss_coef", "hyperrouter_embedding_lr_scale", "metrics"),
+            *("threads", "cpu_bf16_units", "train_seconds", "seeds"),
         )
         return {
             "exporter": exporter,

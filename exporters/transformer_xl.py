@@ -4,7 +4,9 @@ Formats:
 - `hyperrouter`: per MoE layer, W_r and b_r = H(e) are computed once from the trainable embedding e and
   the frozen hypernetwork H (recomputed from e and H, never read from a cached gate attribute); e and H
   are dropped. Router: `topk_softmax`, normalize=true, with bias.
-- `smoe`: the same backbone with a plain linear gate (`gate.gate.weight/bias`).
+- `smoe`: the same backbone with a plain linear gate (`gate.gate.weight/bias`); trained with
+  `switch_router` (HyperMoE's top-1 SMoE control), the gate has no bias and weights the chosen experts
+  by their full-softmax probability: `topk_softmax`, normalize=false.
 - `hypermoe`: HyperMoE (methods/hypermoe.md section 8): the Switch router (no bias) and experts kept, the
   hypernetwork replaced by the precomputed HyperExpert of every selected set. Router: `hyper_expert`.
 - `similarity`, `attention`: graph-of-tokens routing (methods/graph_routing.md section 8) on the SMoE gate;
@@ -12,6 +14,10 @@ Formats:
 - `txl-dense`: the dense baseline (every layer a CoreNet FFN).
 Backbone fold: qkv_net is split into q/k/v; r_net, r_w_bias, r_r_bias are kept (relative attention);
 post-LN; the output layer is tied to the embedding and keeps its bias; embeddings scale by sqrt(d).
+Special tokens: a model trained with BOS and EOS (model.bos_token_id / eos_token_id in its training
+record: the byte tokenizer's <|endoftext|>) gets them in its config, with add_bos_token, so that every
+text prompt starts as its training windows did and generation ends at EOS; a record without them (the
+demos bundled before issue 32) gets neither.
 """
 
 from __future__ import annotations
@@ -54,11 +60,13 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
         )
     elif method != "dense":
         n = ckpt.hyper("num_experts")
+        switch = switch_router(ckpt, method)
         moe = MoEConfig(
             num_experts=n,
             layers=tuple(ckpt.hyper("moe_index")),
             expert=FFNConfig("mlp", ckpt.hyper("d_expert"), "relu", use_bias=True),
-            router=graph_router(ckpt, method) or router_config("topk_softmax", normalize=True, use_bias=True),
+            router=graph_router(ckpt, method)
+            or router_config("topk_softmax", normalize=not switch, use_bias=not switch),
             # The training schedule ends at top_k_max: that is the trained k. It ran every k from top_k_min
             # up; below it results are flagged approximate (graph routers: their kind's rule, K_train only).
             experts_per_token=ExpertsPerToken(
@@ -70,6 +78,7 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
                 else tuple(range(ckpt.hyper("top_k_min"), ckpt.hyper("top_k_max") + 1)),
             ),
         )
+    bos, eos = ckpt.model_config.get("bos_token_id"), ckpt.model_config.get("eos_token_id")
     return ModelConfig(
         task="causal_lm",
         vocab_size=ckpt.hyper("vocab_size"),
@@ -88,7 +97,15 @@ def convert_config(ckpt: TrainingCheckpoint, method: str) -> ModelConfig:
         embedding_scale=d**0.5,
         tie_word_embeddings=True,
         lm_head_bias=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        add_bos_token=bos is not None,
     )
+
+
+def switch_router(ckpt: TrainingCheckpoint, method: str) -> bool:
+    """Whether an SMoE checkpoint's gate is HyperMoE's Switch router (no bias, p_e not renormalised)."""
+    return method == "smoe" and bool(ckpt.model_config.get("switch_router", False))
 
 
 def graph_router(ckpt: TrainingCheckpoint, method: str) -> RouterConfig | None:
@@ -219,7 +236,8 @@ def convert_weights(ckpt: TrainingCheckpoint, config: ModelConfig, method: str) 
                     raise ExportError(
                         f"missing key '{gate}gate.weight': a {method} checkpoint has a linear gate in every MoE layer"
                     )
-                weight, bias = ckpt.get(gate + "gate.weight", (n, d)), ckpt.get(gate + "gate.bias", (n,))
+                weight = ckpt.get(gate + "gate.weight", (n, d))
+                bias = None if switch_router(ckpt, method) else ckpt.get(gate + "gate.bias", (n,))
             if bias is not None:
                 out[dst + "moe.router.bias"] = bias
             out.update(
@@ -263,5 +281,8 @@ def export(fmt: str, src: str | Path, dst: str | Path, options: ExportOptions = 
     ckpt = TrainingCheckpoint(Path(src), method)
     config = convert_config(ckpt, method)
     state = convert_weights(ckpt, config, method)
-    provenance = ckpt.provenance(f"exporters.transformer_xl ({fmt})", FOLDED[method] + "; qkv_net split into q/k/v")
+    folded = FOLDED[method] + (
+        " (HyperMoE's Switch router: no bias, not renormalised)" if switch_router(ckpt, method) else ""
+    )
+    provenance = ckpt.provenance(f"exporters.transformer_xl ({fmt})", folded + "; qkv_net split into q/k/v")
     return write(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)

@@ -1,11 +1,14 @@
 """Train every recipe under several seeds, export and evaluate each run, and bundle one demo per method.
 
     python -m recipes.build_demos [--seeds 3] [--jobs 2] [--only NAME ...] [--train-only | --bundle-only] [--retrain]
+                                  [--precision auto|fp32|bf16]
 
 1. Train: every (recipe, seed) without a checkpoint under runs/RECIPE/seed-S, `--jobs` at a time, one CPU
    thread each (on this 2-core machine two 1-thread runs train ~1.3-1.7x faster than one 2-thread run).
    Seed-major order, so that every method has a first seed before any has a third. Resumable: a finished
-   run is never trained again (unless --retrain).
+   run is never trained again (unless --retrain). Every run of a build trains in one `--precision`
+   (auto: bf16 where the CPU has bf16 matrix units, else fp32); it is part of a recipe's settings, so
+   seeds trained in two precisions never share a mean.
 2. Evaluate: each run is exported (bf16, routers fp32) to runs/RECIPE/seed-S/artifact and scored on the
    held-out plays at k = 1, 2, 4, 8 (runs/RECIPE/seed-S/quality.json).
 3. Bundle: the best seed of each recipe (lowest mean bits per byte over k, or highest mean accuracy, on
@@ -16,7 +19,13 @@
    under --runs but which the bundled demo's provenance records (an earlier build, same recipe settings)
    count too, so the seeds of a recipe can be trained in several sittings; a recipe with no run under
    --runs whose bundled demo already records every seed asked for keeps that demo as it is.
-Writes docs/quality_vs_k.{csv,png} from the bundled demos.
+   The summary also keeps each seed's wall time, CPU and router diagnostics (`runs`), and the mean and
+   standard deviation of the wall time and of the diagnostics' deltas per k (`diagnostics`).
+4. Controls (CONTROLS: recipes that make a demo's claim testable) are trained, evaluated and summarised
+   the same way but bundle no weights (the demos stay within their size): their seeds summary goes into
+   the provenance of the demo whose claim they test, under `controls`, which `moe-serve eval --stored`
+   prints beside the demos.
+Writes docs/quality_vs_k.{csv,png} from the bundled demos and the controls' best seeds.
 """
 
 from __future__ import annotations
@@ -57,6 +66,11 @@ DEMOS = {
     "genre-topk": ("topk-clf", "topk"),
     "genre-switch": ("switch-clf", "switch"),
 }
+# control name -> (recipe, export format, the bundled demo whose claim it tests and whose provenance carries it).
+CONTROLS = {
+    "shakespeare-smoe-top1": ("smoe-top1-lm", "smoe", "shakespeare-hypermoe"),
+    "shakespeare-hypermoe-lb": ("hypermoe-lb-lm", "hypermoe", "shakespeare-hypermoe"),
+}
 LANGUAGE_MODELS = tuple(name for name, (recipe, _) in DEMOS.items() if train.RECIPES[recipe].kind == "lm")
 CLASSIFIERS = tuple(name for name in DEMOS if name not in LANGUAGE_MODELS)
 KS = [1, 2, 4, 8]
@@ -72,7 +86,7 @@ def export(fmt: str, src: Path, dst: Path) -> Path:
     return exporter(fmt)(src, dst, ExportOptions(dtype=torch.bfloat16, overwrite=True, progress=False))
 
 
-def train_all(runs: Path, recipes: list[str], seeds: list[int], jobs: int, retrain: bool) -> None:
+def train_all(runs: Path, recipes: list[str], seeds: list[int], jobs: int, retrain: bool, precision: str) -> None:
     """Every missing (recipe, seed), `jobs` subprocesses at a time; a failed run stops the build."""
     queue = [
         (recipe, seed)
@@ -89,7 +103,7 @@ def train_all(runs: Path, recipes: list[str], seeds: list[int], jobs: int, retra
                 out.mkdir(parents=True, exist_ok=True)
                 log = out / "train.log"
                 command = [sys.executable, "-m", "recipes.train", recipe, "--seed", str(seed)]
-                command += ["--threads", "1", "--out", str(out)]
+                command += ["--threads", "1", "--precision", precision, "--out", str(out)]
                 with open(log, "w") as f:
                     running.append((recipe, seed, subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT), log))
             time.sleep(2)
@@ -119,15 +133,25 @@ def evaluate_run(run: Path, fmt: str, max_items: int | None) -> list[QualityRow]
     return rows
 
 
-# A training record's keys that describe one run; every other key is the recipe's settings.
+# A training record's keys that describe one run; every other key (precision included) is the recipe's settings.
 RUN_KEYS = frozenset(
     {"seed", "command", "metrics", "train_seconds", "hyperrouter_embedding_lr_scale", "seeds", "cpu_bf16_units"}
+)
+# The diagnostics a seeds summary averages: (name in the summary, key in recipes.diagnostics' output).
+DIAGNOSTIC_DELTAS = (
+    ("plain_routing_delta_bits_per_byte", "plain_routing_bits_per_byte"),
+    ("swap_to_init_delta_bits_per_byte", "swap_to_init_bits_per_byte"),
 )
 
 
 def settings_sha256(record: dict) -> str:
-    """What every seed of a recipe shares (steps, optimizer, model, split, thread count, torch version...)."""
+    """What every seed of a recipe shares (steps, optimizer, model, split, precision, thread count, torch
+    version...)."""
     settings = {key: value for key, value in record.items() if key not in RUN_KEYS}
+    # The classifiers train in fp32 only, as they always have, but their records named no precision before
+    # issue 32: the same setting either way, so the seeds bundled then keep counting.
+    if settings.get("task") == "sequence_classification" and settings.get("precision") == "fp32":
+        del settings["precision"]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -137,6 +161,19 @@ def bundled_summary(artifact: Path) -> dict | None:
     return json.loads(path.read_text())["provenance"].get("seeds") if path.is_file() else None
 
 
+def control_summaries(artifact: Path) -> dict[str, dict]:
+    """The controls' seeds summaries in a bundled demo's provenance (`controls`), by control name."""
+    path = artifact / CONFIG_FILE
+    return dict(json.loads(path.read_text())["provenance"].get("controls") or {}) if path.is_file() else {}
+
+
+def recorded_summary(name: str) -> dict | None:
+    """The seeds summary an earlier build recorded for a demo, or for a control (in its host demo)."""
+    if name in CONTROLS:
+        return control_summaries(BUNDLED_DIR / CONTROLS[name][2]).get(name)
+    return bundled_summary(BUNDLED_DIR / name)
+
+
 def earlier_seeds(
     name: str, settings: str, measured: dict[int, list[QualityRow]], seeds: list[int]
 ) -> dict[int, list[QualityRow]]:
@@ -144,7 +181,7 @@ def earlier_seeds(
     training 3 seeds of every recipe takes longer than one sitting on 2 cores, and runs/ may be gone. Kept
     only under the same recipe settings, and only if every seed measured both then and now agrees (else
     the code changed under the same settings, and none of the earlier figures is used)."""
-    summary = bundled_summary(BUNDLED_DIR / name)
+    summary = recorded_summary(name)
     if not summary or summary.get("settings_sha256") != settings:
         return {}
     rows: dict[int, list[QualityRow]] = {}
@@ -159,27 +196,46 @@ def earlier_seeds(
     return {seed: r for seed, r in rows.items() if seed not in measured and seed in seeds}
 
 
-def seed_summary(recipe: str, per_seed: dict[int, list[QualityRow]], best: int, task: str, settings: str) -> dict:
-    """Each (k, metric): every seed's value, their mean and sample standard deviation."""
+def run_facts(record: dict) -> dict:
+    """What a seeds summary keeps of one run: its wall time, precision, CPU and router diagnostics."""
+    facts = {key: record[key] for key in ("train_seconds", "precision", "cpu_bf16_units") if key in record}
+    diagnostics = (record.get("metrics") or {}).get("diagnostics")
+    return {**facts, "diagnostics": diagnostics} if diagnostics else facts
+
+
+def earlier_facts(name: str, seeds: set[int]) -> dict[int, dict]:
+    """The run facts an earlier build recorded for these seeds (the seeds earlier_seeds keeps)."""
+    recorded = (recorded_summary(name) or {}).get("runs") or {}
+    return {int(seed): facts for seed, facts in recorded.items() if int(seed) in seeds}
+
+
+def _spread(values: dict[int, float]) -> dict:
+    series = [values[s] for s in sorted(values)]
+    return {
+        "mean": round(statistics.fmean(series), 4),
+        "std": round(statistics.stdev(series), 4) if len(series) > 1 else None,
+        "values": {str(s): round(values[s], 4) for s in sorted(values)},
+    }
+
+
+def seed_summary(
+    recipe: str,
+    per_seed: dict[int, list[QualityRow]],
+    best: int,
+    task: str,
+    settings: str,
+    runs: dict[int, dict] | None = None,
+) -> dict:
+    """Each (k, metric): every seed's value, their mean and sample standard deviation; with the runs'
+    facts (run_facts), each seed's, and the spread of the wall time and of the diagnostics' deltas per k."""
     cells: dict[tuple[int, str], dict[int, float]] = {}
     for seed, rows in per_seed.items():
         for row in rows:
             if row.policy is None:
                 cells.setdefault((int(row.k), row.metric), {})[seed] = row.value
-    quality = []
-    for (k, metric), values in sorted(cells.items()):
-        series = [values[s] for s in sorted(values)]
-        quality.append(
-            {
-                "k": k,
-                "metric": metric,
-                "mean": round(statistics.fmean(series), 4),
-                "std": round(statistics.stdev(series), 4) if len(series) > 1 else None,
-                "values": {str(s): round(values[s], 4) for s in sorted(values)},
-            }
-        )
+    quality = [{"k": k, "metric": metric, **_spread(values)} for (k, metric), values in sorted(cells.items())]
     rule = "lowest" if HEADLINE[task] in LOWER_IS_BETTER else "highest"
-    return {
+    summary = {
         "recipe": recipe,
         "settings_sha256": settings,
         "seeds": sorted(per_seed),
@@ -187,6 +243,27 @@ def seed_summary(recipe: str, per_seed: dict[int, list[QualityRow]], best: int, 
         "chosen_by": f"{rule} mean {HEADLINE[task]} over k = {', '.join(map(str, KS))} on the held-out plays",
         "quality": quality,
     }
+    facts = {seed: f for seed, f in (runs or {}).items() if seed in per_seed and f}
+    return summary | runs_summary(facts) if facts else summary
+
+
+def runs_summary(runs: dict[int, dict]) -> dict:
+    """The runs' facts by seed, and their spread: the wall time, and each diagnostic delta per k."""
+    out: dict = {"runs": {str(seed): runs[seed] for seed in sorted(runs)}}
+    precisions = {facts["precision"] for facts in runs.values() if "precision" in facts}
+    if len(precisions) == 1:  # one setting (settings_sha256), unless runs predate the record
+        out["precision"] = precisions.pop()
+    seconds = {seed: facts["train_seconds"] for seed, facts in runs.items() if "train_seconds" in facts}
+    if seconds:
+        out["train_seconds"] = _spread(seconds)
+    deltas: dict[tuple[str, int], dict[int, float]] = {}
+    for seed, facts in runs.items():
+        for name, key in DIAGNOSTIC_DELTAS:
+            for k, cell in ((facts.get("diagnostics") or {}).get(key) or {}).items():
+                deltas.setdefault((name, int(k)), {})[seed] = cell["delta"]
+    if deltas:
+        out["diagnostics"] = [{"name": name, "k": k, **_spread(values)} for (name, k), values in sorted(deltas.items())]
+    return out
 
 
 def best_seed(per_seed: dict[int, list[QualityRow]], task: str) -> int:
@@ -209,49 +286,97 @@ def bundled_rows(artifact: Path) -> list[QualityRow]:
     return [r for r in QualityTable.read(artifact / QUALITY_FILE).rows if r.policy is None]
 
 
-def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_items: int | None) -> list[QualityRow]:
-    available = [s for s in seeds if (run_dir(runs, recipe, s) / TRAINING_CHECKPOINT).is_file()]
-    artifact = BUNDLED_DIR / name
-    if not available:
-        recorded = bundled_seeds(artifact)
-        if not set(seeds) <= recorded:
-            raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
-        print(f"{name}: no run under {runs}; the bundled demo already records seeds {sorted(recorded)} and stays")
-        return bundled_rows(artifact)
+def available_seeds(runs: Path, recipe: str, seeds: list[int]) -> list[int]:
+    return [s for s in seeds if (run_dir(runs, recipe, s) / TRAINING_CHECKPOINT).is_file()]
+
+
+def measure(
+    name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_items: int | None
+) -> tuple[dict[int, list[QualityRow]], dict[int, dict], dict]:
+    """Evaluate every run of `recipe` under `runs` (at least one) -> (their rows and training records by
+    seed, the seeds summary over them and the seeds an earlier build recorded)."""
+    available = available_seeds(runs, recipe, seeds)
     measured = {s: evaluate_run(run_dir(runs, recipe, s), fmt, max_items) for s in available}
     records = {s: json.loads((run_dir(runs, recipe, s) / TRAINING_CONFIG).read_text()) for s in available}
     settings = settings_sha256(records[available[0]])
     if any(settings_sha256(r) != settings for r in records.values()):
         raise SystemExit(f"{name}: the runs of {recipe} under {runs} were trained with different settings")
     per_seed = {**earlier_seeds(name, settings, measured, seeds), **measured}
+    facts = {**earlier_facts(name, set(per_seed) - set(measured)), **{s: run_facts(r) for s, r in records.items()}}
     task = "causal_lm" if train.RECIPES[recipe].kind == "lm" else "sequence_classification"
-    best = best_seed(per_seed, task)
-    summary = seed_summary(recipe, per_seed, best, task, settings)
+    return measured, records, seed_summary(recipe, per_seed, best_seed(per_seed, task), task, settings, facts)
+
+
+def write_provenance(artifact: Path, **entries: object) -> None:
+    """Set entries of a bundled demo's provenance in its config.json (not among the checksummed files)."""
+    path = artifact / CONFIG_FILE
+    manifest = json.loads(path.read_text())
+    manifest["provenance"].update(entries)
+    path.write_text(json.dumps(manifest, indent=2) + "\n")  # save_artifact's layout
+
+
+def bundle(name: str, recipe: str, fmt: str, runs: Path, seeds: list[int], max_items: int | None) -> list[QualityRow]:
+    artifact = BUNDLED_DIR / name
+    if not available_seeds(runs, recipe, seeds):
+        recorded = bundled_seeds(artifact)
+        if not set(seeds) <= recorded:
+            raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
+        print(f"{name}: no run under {runs}; the bundled demo already records seeds {sorted(recorded)} and stays")
+        return bundled_rows(artifact)
+    measured, records, summary = measure(name, recipe, fmt, runs, seeds, max_items)
+    best = summary["bundled_seed"]
     if best not in measured:  # the bundled demo is that seed already: only its seeds' summary changes
-        path = artifact / CONFIG_FILE
-        manifest = json.loads(path.read_text())
-        if manifest["provenance"]["seed"] != best:
+        if json.loads((artifact / CONFIG_FILE).read_text())["provenance"]["seed"] != best:
             raise SystemExit(f"{name}: the best seed is {best}, whose run is not under {runs}; bundled is another")
-        manifest["provenance"]["seeds"] = summary
-        path.write_text(json.dumps(manifest, indent=2) + "\n")  # save_artifact's layout
+        write_provenance(artifact, seeds=summary)
         return bundled_rows(artifact)
     source = run_dir(runs, recipe, best)
     record = records[best]
     record["seeds"] = summary  # carried into the artifact's provenance
     (source / TRAINING_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    controls = control_summaries(artifact)  # the export replaces the artifact; the controls' summaries stay
     export(fmt, source, artifact)
-    if task == "causal_lm":
+    if controls:
+        write_provenance(artifact, controls=controls)
+    if train.RECIPES[recipe].kind == "lm":
         play_chat.install(artifact)  # chat that works out of the box: the template fits the training text
     rows = [QualityRow(r.dataset, r.k, r.metric, r.value, name, r.policy) for r in measured[best]]
     QualityTable(tuple(rows)).merge_into(artifact / QUALITY_FILE)
     return rows
 
 
+def bundle_control(
+    name: str, recipe: str, fmt: str, host: str, runs: Path, seeds: list[int], max_items: int | None
+) -> list[QualityRow]:
+    """A control's seeds summary into its host demo's provenance (`controls`); no weights are bundled.
+    -> its best seed's rows, named after the control."""
+    artifact = BUNDLED_DIR / host
+    if not (artifact / CONFIG_FILE).is_file():
+        raise SystemExit(f"{name}: the demo {host} that carries this control is not bundled; build it first")
+    if not available_seeds(runs, recipe, seeds):
+        summary = control_summaries(artifact).get(name)
+        if summary is None or not set(seeds) <= set(summary["seeds"]):
+            raise SystemExit(f"{name}: no trained run of {recipe} under {runs}")
+        print(f"{name}: no run under {runs}; {host} already records seeds {summary['seeds']} of it and stays")
+        return summary_rows(name, summary)
+    _, _, summary = measure(name, recipe, fmt, runs, seeds, max_items)
+    write_provenance(artifact, controls={**control_summaries(artifact), name: summary})
+    return summary_rows(name, summary)
+
+
+def summary_rows(name: str, summary: dict) -> list[QualityRow]:
+    """The figures of a seeds summary's best seed, as quality rows of `name`."""
+    seed = str(summary["bundled_seed"])
+    return [QualityRow(DATASET, q["k"], q["metric"], q["values"][seed], name) for q in summary["quality"]]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.build_demos", description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per recipe")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once (one thread each)")
-    parser.add_argument("--only", nargs="+", choices=sorted(DEMOS), default=None, help="these demos only")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted({**DEMOS, **CONTROLS}), default=None, help="these demos and controls only"
+    )
     stage = parser.add_mutually_exclusive_group()
     stage.add_argument("--train-only", action="store_true", help="stop after training")
     stage.add_argument(
@@ -259,20 +384,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--retrain", action="store_true", help="train even when a run's checkpoint exists")
     parser.add_argument(
+        "--precision",
+        choices=train.PRECISIONS,
+        default="auto",
+        help="every run's training precision (recipes.train --precision; auto: bf16 where the CPU has bf16 units)",
+    )
+    parser.add_argument(
         "--max-items", type=int, default=400, help="windows/passages sampled evenly across the held-out plays (0: all)"
     )
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
-    demos = {name: DEMOS[name] for name in (args.only or DEMOS)}
+    chosen = args.only or [*DEMOS, *CONTROLS]
+    demos = {name: DEMOS[name] for name in chosen if name in DEMOS}
+    controls = {name: CONTROLS[name] for name in chosen if name in CONTROLS}
     seeds = list(range(args.seeds))
     if not args.bundle_only:
-        train_all(args.runs, [recipe for recipe, _ in demos.values()], seeds, args.jobs, args.retrain)
+        recipes = [recipe for recipe, _ in demos.values()] + [recipe for recipe, _, _ in controls.values()]
+        train_all(args.runs, recipes, seeds, args.jobs, args.retrain, args.precision)
     if args.train_only:
         return
     rows = []
     for name, (recipe, fmt) in demos.items():
         rows += bundle(name, recipe, fmt, args.runs, seeds, args.max_items or None)
+    for name, (recipe, fmt, host) in controls.items():  # after the demos, so that a re-exported host keeps them
+        rows += bundle_control(name, recipe, fmt, host, args.runs, seeds, args.max_items or None)
     if args.only is None:
         write_csv(args.docs / "quality_vs_k.csv", rows)
         plot(args.docs / "quality_vs_k.png", rows)

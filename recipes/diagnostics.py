@@ -10,6 +10,12 @@
 - entropy: per MoE layer, the mean entropy (nats; uniform = ln N) of the distribution experts are chosen
   from on held-out text: the full router softmax (HyperRouter Table 4's measure), for graph-of-tokens
   routers the mixed distribution.
+- load: per MoE layer, the fraction of held-out tokens each expert gets at the trained k (what a
+  load-balancing loss evens out).
+- plain_routing (graph-of-tokens routers only): held-out bits per byte at each k with the same weights
+  routed by plain top-k of each token's own gate probabilities (the graph mixing switched off), minus
+  the trained model's; and the fraction of (token, MoE layer) whose chosen set the mixing changes. A
+  mixing matrix close to the identity costs ~0 here.
 The initial model is rebuilt from the run's seed: `recipes.train` seeds torch and then builds the model
 before drawing anything else, so the same seed gives the same initial weights.
 """
@@ -21,7 +27,7 @@ import contextlib
 import copy
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -65,14 +71,37 @@ def _movement(now: torch.Tensor, start: torch.Tensor) -> dict[str, float]:
     }
 
 
+def lm_rows(data: torch.Tensor, starts: Iterable[int], seq_len: int, bos_token_id: int | None) -> torch.Tensor:
+    """Training or evaluation rows [B, seq_len + 1] (inputs row[:-1], targets row[1:]) from `data` at each
+    start. With a BOS: BOS, then seq_len tokens of data, every one a target (the first predicted from BOS
+    alone, as a served prompt starts); without: seq_len + 1 tokens of data, the first never a target."""
+    starts = list(starts)
+    if bos_token_id is None:
+        return torch.stack([data[s : s + seq_len + 1] for s in starts])
+    body = torch.stack([data[s : s + seq_len] for s in starts])
+    return torch.cat([body.new_full((len(starts), 1), bos_token_id), body], dim=1)
+
+
+def eval_rows(data: torch.Tensor, seq_len: int, bos_token_id: int | None) -> torch.Tensor:
+    """Consecutive rows that make every token of `data` a target once (with a BOS; without, all but the
+    first of each row)."""
+    stride = seq_len if bos_token_id is not None else seq_len + 1
+    return lm_rows(data, range(0, len(data) - stride + 1, stride), seq_len, bos_token_id)
+
+
 @torch.no_grad()
 def bits_per_byte(model: MemTransformerLM, data: torch.Tensor, seq_len: int) -> float:
-    windows = data[: len(data) // (seq_len + 1) * (seq_len + 1)].view(-1, seq_len + 1)
+    """Held-out bits per byte over `data`; EOS targets (the end of a play) are not bytes and not counted."""
+    rows = eval_rows(data, seq_len, model.cfg.bos_token_id)
+    eos = model.cfg.eos_token_id
     total, count = 0.0, 0
-    for chunk in windows.split(32):
+    for chunk in rows.split(32):
         logits = model(chunk[:, :-1])
-        total -= F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum").item()
-        count += chunk[:, 1:].numel()
+        targets = chunk[:, 1:].reshape(-1)
+        ignore = -100 if eos is None else eos
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum", ignore_index=ignore)
+        total -= loss.item()
+        count += int((targets != ignore).sum())
     return metrics.bits_per_byte(total, count)  # byte-level: one token per byte
 
 
@@ -90,15 +119,78 @@ def routing_entropy(model: MemTransformerLM, data: torch.Tensor, seq_len: int) -
 
         return record
 
-    handles = [ff.register_forward_pre_hook(hook(i)) for i, ff in enumerate(layers)]
+    _run_hooked(model, data, seq_len, [ff.register_forward_pre_hook(hook(i)) for i, ff in enumerate(layers)])
+    return [round(t / max(c, 1), 4) for t, c in zip(totals, counts, strict=True)]
+
+
+def _run_hooked(model: MemTransformerLM, data: torch.Tensor, seq_len: int, handles: list) -> None:
+    """The model over evaluation rows of `data` (inputs only) with forward hooks that record; removed after."""
     try:
-        windows = data[: len(data) // seq_len * seq_len].view(-1, seq_len)
-        for chunk in windows.split(32):
+        for chunk in eval_rows(data, seq_len, model.cfg.bos_token_id)[:, :-1].split(32):
             model(chunk)
     finally:
         for handle in handles:
             handle.remove()
-    return [round(t / max(c, 1), 4) for t, c in zip(totals, counts, strict=True)]
+
+
+@torch.no_grad()
+def expert_load(model: MemTransformerLM, data: torch.Tensor, seq_len: int) -> list[list[float]]:
+    """Per MoE layer, the fraction of `data`'s tokens each expert is chosen for at the model's current k
+    (the top-k of routing_distribution: what every MoE layer here picks from)."""
+    layers = moe_layers(model)
+    counts = [torch.zeros(model.cfg.num_experts) for _ in layers]
+
+    def hook(index: int):
+        def record(module, args) -> None:
+            chosen = module.routing_distribution(args[0]).topk(module.top_k, dim=-1).indices
+            counts[index] += torch.bincount(chosen.flatten(), minlength=len(counts[index])).float()
+
+        return record
+
+    _run_hooked(model, data, seq_len, [ff.register_forward_pre_hook(hook(i)) for i, ff in enumerate(layers)])
+    return [[round(c, 4) for c in (layer / layer.sum().clamp_min(1)).tolist()] for layer in counts]
+
+
+def graph_layers(model: MemTransformerLM) -> list[GraphRoutingFF]:
+    return [ff for ff in moe_layers(model) if isinstance(ff, GraphRoutingFF)]
+
+
+@contextlib.contextmanager
+def plain_routing(model: MemTransformerLM) -> Iterator[MemTransformerLM]:
+    """The same weights with every graph-of-tokens router's mixing switched off (plain top-k of each
+    token's own gate probabilities); restored on exit."""
+    layers = graph_layers(model)
+    try:
+        for ff in layers:
+            ff.use_graph = False
+        yield model
+    finally:
+        for ff in layers:
+            ff.use_graph = True
+
+
+@torch.no_grad()
+def choices_changed(model: MemTransformerLM, data: torch.Tensor, seq_len: int, ks: list[int]) -> dict[str, float]:
+    """At each k, the fraction of (token, graph MoE layer) whose chosen set differs between the mixed
+    distribution and the token's own gate probabilities (the same layer input)."""
+    changed, total = dict.fromkeys(ks, 0), 0
+
+    def record(module, args) -> None:
+        nonlocal total
+        mixed = module.routing_distribution(args[0])
+        module.use_graph = False
+        try:
+            plain = module.routing_distribution(args[0])
+        finally:
+            module.use_graph = True
+        for k in ks:
+            a = mixed.topk(k, dim=-1).indices.sort(dim=-1).values
+            b = plain.topk(k, dim=-1).indices.sort(dim=-1).values
+            changed[k] += int((a != b).any(dim=-1).sum())
+        total += mixed.shape[0]
+
+    _run_hooked(model, data, seq_len, [ff.register_forward_pre_hook(record) for ff in graph_layers(model)])
+    return {str(k): round(changed[k] / max(total, 1), 4) for k in ks}
 
 
 @contextlib.contextmanager
@@ -128,7 +220,7 @@ def router_diagnostics(
         if isinstance(ff.gate, HyperRouterGate):
             layer["embedding"] = _movement(ff.gate.embedding.detach(), start.gate.embedding.detach())
         movement.append(layer)
-    swap = {}
+    swap, plain = {}, {}
     for k in ks:
         model.set_top_k(k)
         trained = bits_per_byte(model, data, seq_len)
@@ -139,19 +231,35 @@ def router_diagnostics(
             "initial_router": round(reset, 4),
             "delta": round(reset - trained, 4),
         }
-    model.set_top_k(ks[-1])
-    return {
+        if graph_layers(model):
+            with plain_routing(model):
+                unmixed = bits_per_byte(model, data, seq_len)
+            plain[str(k)] = {
+                "trained": round(trained, 4),
+                "plain": round(unmixed, 4),
+                "delta": round(unmixed - trained, 4),
+            }
+    model.set_top_k(model.cfg.top_k_max)  # the trained k (the end of the schedule)
+    found = {
         "held_out_bytes": len(data),
+        "trained_k": model.cfg.top_k_max,
         "movement": movement,
         "swap_to_init_bits_per_byte": swap,
         "routing_entropy_nats": routing_entropy(model, data, seq_len),
         "uniform_entropy_nats": round(math.log(model.cfg.num_experts), 4),
+        "expert_load": expert_load(model, data, seq_len),
     }
+    if plain:
+        found["plain_routing_bits_per_byte"] = plain
+        found["plain_routing_choices_changed"] = choices_changed(model, data, seq_len, ks)
+    return found
 
 
 def rebuild(run: Path, record: dict) -> tuple[MemTransformerLM, MemTransformerLM]:
     """-> (trained model, initial model) of a recipes.train run directory and its training record."""
     model_config = {k: tuple(v) if isinstance(v, list) else v for k, v in record["model"].items()}
+    for special in ("bos_token_id", "eos_token_id"):  # a run from before the LMs trained with BOS and EOS
+        model_config.setdefault(special, None)
     torch.manual_seed(record["seed"])
     initial = MemTransformerLM(TXLConfig(**model_config))
     model = copy.deepcopy(initial)
@@ -165,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.diagnostics", description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+", help="recipes.train output directories (MoE LMs)")
     args = parser.parse_args(argv)
-    held_out = byte_stream(True)
     for run in args.runs:
         record = json.loads((run / TRAINING_CONFIG).read_text())
         if record.get("task") != "causal_lm" or record.get("method") == "dense":
             raise SystemExit(f"{run}: not an MoE language model run")
         model, initial = rebuild(run, record)
+        held_out = byte_stream(True, model.cfg.eos_token_id)
         found = router_diagnostics(model, initial, held_out, record["seq_len"], diagnostic_ks(model.cfg))
         record.setdefault("metrics", {})["diagnostics"] = found  # where train.py puts them (provenance: metrics)
         (run / TRAINING_CONFIG).write_text(json.dumps(record, indent=2) + "\n")

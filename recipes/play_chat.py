@@ -4,14 +4,19 @@ The models only ever saw play text in the layout of moe_serve.evaluation.dataset
 name in capitals with a full stop on its own line, the speech below it, a blank line before the next
 speaker or stage direction. So a conversation is rendered as a scene in that layout: system (and developer)
 messages as stage directions, the user as HAMLET, the assistant as HORATIO (a message's `name` renames its
-speaker), and the generation prompt opens the assistant's speech. The models have no EOS token: a speech
-ends at the blank line before the next one, so that is the chat stop string.
+speaker), and the generation prompt opens the assistant's speech. A speech ends at the blank line before the
+next one, so that is the chat stop string. LMs trained with BOS and EOS (<|endoftext|>: every training
+window starts with it, every play ends with it) get BOS first in the template, as a text prompt gets it
+from the engine, and end generation at EOS too; but EOS ends a play, not a speech, so the blank line stays
+the stop of a reply.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from moe_serve.artifact import CONFIG_FILE
 from moe_serve.model_config import ModelConfig
@@ -41,12 +46,21 @@ TEMPLATE = r"""{%- set speakers = {'user': 'HAMLET', 'assistant': 'HORATIO'} -%}
 # A speech ends at a blank line (the next speaker or stage direction follows it).
 STOP = ("\n\n",)
 
+# First, for a model trained with BOS: the engine adds BOS to a text prompt (add_bos_token), but a chat
+# prompt is the rendered template alone, as in Hugging Face's templates, which write bos_token themselves.
+BOS = "{{- bos_token -}}\n"
+
+
+def template_for(model: Mapping[str, Any]) -> str:
+    """The template of a model (its config.json `model`): TEMPLATE, after BOS if it wants one."""
+    return BOS + TEMPLATE if model.get("add_bos_token") else TEMPLATE
+
 
 def install(artifact: Path) -> None:
-    """Write TEMPLATE and STOP into an artifact's config.json; nothing else changes (config.json is not
-    among the checksummed files, so the weights and tokenizer keep their recorded sha256)."""
+    """Write the template and STOP into an artifact's config.json; nothing else changes (config.json is
+    not among the checksummed files, so the weights and tokenizer keep their recorded sha256)."""
     path = Path(artifact) / CONFIG_FILE
     manifest = json.loads(path.read_text())
-    manifest["model"].update(chat_template=TEMPLATE, chat_stop=list(STOP))
+    manifest["model"].update(chat_template=template_for(manifest["model"]), chat_stop=list(STOP))
     ModelConfig.from_dict(manifest["model"])  # refuse to write a config the loader would refuse
     path.write_text(json.dumps(manifest, indent=2) + "\n")  # save_artifact's layout

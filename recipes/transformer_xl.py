@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 @dataclass
 class TXLConfig:
-    method: str  # hyperrouter | smoe | dense
+    method: str  # hyperrouter | smoe | hypermoe | similarity | attention | dense
     vocab_size: int = 257
     d_model: int = 128
     n_head: int = 4
@@ -44,6 +44,15 @@ class TXLConfig:
     # Graph-of-tokens routing (methods similarity, attention; methods/graph_routing.md section 8):
     graph_tau: float = 1.0  # similarity: x_i . x_j / tau
     graph_sigma: float = 1.0  # attention: the likelihood's width
+    # The SMoE gate as HyperMoE's Switch router (a top-1 SMoE control of HyperMoE's budget): no bias, and
+    # the chosen experts weighted by their full-softmax probability, never renormalised. A renormalised
+    # top-1 weight is the constant 1, so a plain SMoE router trained at k = 1 never gets a gradient.
+    switch_router: bool = False
+    # The byte tokenizer's <|endoftext|> (moe_serve.tokenizer): the training stream ends every play with
+    # it (EOS) and every training window starts with it (BOS), as the served model sees a prompt when
+    # its config says add_bos_token. None: trained without (the demos bundled before issue 32).
+    bos_token_id: int | None = 256
+    eos_token_id: int | None = 256
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,15 +169,39 @@ class Experts(nn.Module):
         h = F.relu(torch.einsum("td,nfd->tnf", x, self.htoh4.weight) + self.htoh4.bias)
         return torch.einsum("tnf,ndf->tnd", h, self.h4toh.weight) + self.h4toh.bias
 
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """x [T, d], the chosen experts [T, K] and their weights [T, K] -> sum_k weight * expert(x) [T, d].
+        Unchosen experts get neither output nor gradient either way. At K >= N / 2 every expert runs on
+        every token, weighted by a sparse [T, N] matrix (fast on a CPU there); below, each expert runs on
+        its own tokens only (K = 1 or 2 of 8: 4-8x fewer expert FLOPs than running all of them)."""
+        n, k = self.htoh4.weight.shape[0], indices.shape[1]
+        if 2 * k >= n:
+            weights = torch.zeros(x.shape[0], n, dtype=values.dtype, device=x.device).scatter(1, indices, values)
+            return torch.einsum("tn,tnd->td", weights.to(x.dtype), self.all_experts(x))
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)  # [T * K]
+        order = indices.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(indices.flatten(), minlength=n).tolist()
+        out = torch.zeros_like(x)
+        for e, pairs in enumerate(order.split(counts)):
+            if pairs.numel() == 0:
+                continue
+            rows = token[pairs]
+            h = F.relu(F.linear(x[rows], self.htoh4.weight[e], self.htoh4.bias[e]))  # [R, F]
+            y = F.linear(h, self.h4toh.weight[e], self.h4toh.bias[e])  # [R, d]
+            out.index_add_(0, rows, (y * values.flatten()[pairs, None]).to(out.dtype))
+        return out
+
 
 class MoEPositionwiseFF(nn.Module):
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
-        self.gate = HyperRouterGate(cfg) if cfg.method == "hyperrouter" else NaiveGate(cfg)
+        switch = cfg.method == "smoe" and cfg.switch_router
+        self.gate = HyperRouterGate(cfg) if cfg.method == "hyperrouter" else NaiveGate(cfg, bias=not switch)
         self.experts = Experts(cfg)
         self.layer_norm = nn.LayerNorm(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.top_k = cfg.top_k_max
+        self.switch = switch
 
     def routing_distribution(self, inp: torch.Tensor) -> torch.Tensor:
         """The distribution experts are chosen from, [T * B, N]: the full router softmax (diagnostics)."""
@@ -177,12 +210,12 @@ class MoEPositionwiseFF(nn.Module):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         x = inp.reshape(-1, inp.size(-1))
         logits = self.gate(x).float()
-        values, indices = torch.topk(logits, self.top_k, dim=-1)  # top-k on logits, softmax over the chosen
-        scores = F.softmax(values, dim=-1)
-        # Dense dispatch: every expert on every token, weighted by a sparse [T, N] matrix. Exact (unchosen
-        # experts weigh 0, so they get neither output nor gradient) and fast on a CPU at k >= N/2.
-        weights = torch.zeros_like(logits).scatter(1, indices, scores)  # [T, N]
-        out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
+        values, indices = torch.topk(logits, self.top_k, dim=-1)  # top-k on logits (= on probabilities)
+        if self.switch:  # the chosen experts' full-softmax probabilities (the Switch router's p_e)
+            scores = F.softmax(logits, dim=-1).gather(1, indices)
+        else:  # softmax over the chosen
+            scores = F.softmax(values, dim=-1)
+        out = self.experts(x, indices, scores)
         return self.layer_norm(inp + self.drop(out.view_as(inp)))
 
 
@@ -246,6 +279,8 @@ class HyperMoEPositionwiseFF(nn.Module):
         self.top_k = cfg.top_k_max
         self.index = index
         self._generator = (generator,)  # shared by every layer; owned (and saved) by the model
+        # The last training forward's router logits [T, B, N] and choices [T * B, k]: the Switch losses'.
+        self.routed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def hyper_expert(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [T, d], indices [T, k] selected -> the HyperExpert output [T, d]."""
@@ -260,14 +295,41 @@ class HyperMoEPositionwiseFF(nn.Module):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         x = inp.reshape(-1, inp.size(-1))
-        probs = self.routing_distribution(inp)
-        values, indices = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(x).float()  # [T * B, N]
+        values, indices = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.top_k > 1:
             values = values / values.sum(dim=-1, keepdim=True)
-        weights = torch.zeros_like(probs).scatter(1, indices, values)  # [T, N]
-        out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
-        out = out + self.hyper_expert(x, indices)
+        self.routed = (logits.view(*inp.shape[:2], -1), indices) if self.training else None
+        out = self.experts(x, indices, values) + self.hyper_expert(x, indices)
         return self.layer_norm(inp + self.drop(out.view_as(inp)))
+
+
+def switch_router_losses(model: MemTransformerLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """The released Switch code's router losses over the HyperMoE layers of the last training forward
+    -> (load-balancing loss, router z-loss). Bumble666/Hyper_MoE @ 3159fc08,
+    switch_transformer/transformers/models/switch_transformers/modeling_switch_transformers.py:
+    `load_balancing_loss_func` (L93-129): N^2 * the mean over (sequence, expert) of f * P, f the fraction
+    of the sequence's tokens whose top-1 is the expert and P their mean router probability, tokens of
+    every MoE layer of the stack pooled (`_unpack_router_logits`, L1820-1828, concatenates the layers
+    along the sequence); `router_z_loss_func` (L73-90): the mean over tokens and layers of
+    logsumexp(logits)^2; added as router_aux_loss_coef * aux + router_z_loss_coef * z (L1782-1785), both
+    0.001 (configuration_switch_transformers.py L122-123), whenever the model returns router logits,
+    which it does by default (L1656). The released GPT-2 (LM) code has another loss, 1e-2 * (cv^2 of
+    importance + cv^2 of load) per layer (gpt-2-moe/transformers/models/layers.py L93-103), but both
+    terms have a gradient only through its noisy gating (importance sums renormalised top-k gates,
+    constant at k = 1; load is the noise's smoothed top-k probability): with the Switch router this
+    recipe trains, noise-free, it would not move the router, so the Switch code's loss is the one."""
+    routed = [layer.pos_ff.routed for layer in model.layers if isinstance(layer.pos_ff, HyperMoEPositionwiseFF)]
+    if any(r is None for r in routed):
+        raise RuntimeError("the Switch router losses need a training forward of every HyperMoE layer first")
+    logits = torch.cat([r[0] for r in routed if r is not None], dim=0)  # [L * T, B, N]
+    chosen = torch.cat([r[1].view(*r[0].shape[:2], -1) for r in routed if r is not None], dim=0)  # [L * T, B, k]
+    n = logits.shape[-1]
+    mask = F.one_hot(chosen, n).amax(dim=-2).float()  # [L * T, B, N]: the token went to the expert
+    probs = F.softmax(logits, dim=-1)
+    aux = (mask.mean(dim=0) * probs.mean(dim=0)).mean() * n**2
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return aux, z
 
 
 class GraphRoutingFF(nn.Module):
@@ -293,6 +355,9 @@ class GraphRoutingFF(nn.Module):
         if self.kind == "attention":
             self.register_buffer("head", torch.zeros((), dtype=torch.long))
         self.attention: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # scores, values, W_O
+        # False: plain top-k of the gate's own probabilities, the mixing switched off (the diagnostic that
+        # measures what the graph adds to the same weights); never saved.
+        self.use_graph = True
 
     def mixing(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, B, d] -> the causal mixing matrix of each sequence [B, T, T] (rows sum to 1)."""
@@ -312,6 +377,8 @@ class GraphRoutingFF(nn.Module):
     def routing_distribution(self, inp: torch.Tensor) -> torch.Tensor:
         """The gate probabilities mixed over the sequence's earlier tokens, [T * B, N]: what top-k picks from."""
         probs = F.softmax(self.gate(inp).float(), dim=-1)  # [T, B, N]
+        if not self.use_graph:
+            return probs.reshape(-1, probs.shape[-1])
         with fp32_routing():
             return torch.einsum("bij,jbn->ibn", self.mixing(inp), probs).reshape(-1, probs.shape[-1])
 
@@ -319,8 +386,7 @@ class GraphRoutingFF(nn.Module):
         x = inp.reshape(-1, inp.size(-1))
         mixed = self.routing_distribution(inp)
         values, indices = torch.topk(mixed, self.top_k, dim=-1)
-        weights = torch.zeros_like(mixed).scatter(1, indices, values / values.sum(-1, keepdim=True))
-        out = torch.einsum("tn,tnd->td", weights.to(x.dtype), self.experts.all_experts(x))
+        out = self.experts(x, indices, values / values.sum(-1, keepdim=True))
         return self.layer_norm(inp + self.drop(out.view_as(inp)))
 
     @torch.no_grad()
@@ -450,4 +516,4 @@ def k_schedule(step: int, total: int, k_min: int, k_max: int) -> int:
     return int(round(k_min + (k_max - k_min) * step / max(total - 1, 1)))
 
 
-__all__ = ["MemTransformerLM", "TXLConfig", "calibrate_heads", "k_schedule"]
+__all__ = ["MemTransformerLM", "TXLConfig", "calibrate_heads", "k_schedule", "switch_router_losses"]

@@ -130,13 +130,16 @@ def prepare_pooling(
 
 
 def tokenize(inputs: InputProcessor, request: p.TokenizeRequest) -> p.TokenizeResponse:
-    """vLLM's /tokenize: exactly the ids a completion (prompt) or a chat request (messages) would run on."""
+    """vLLM's /tokenize: the ids a completion (prompt) or a chat request (messages) would run on, except that a
+    prompt's special-token strings are read as those tokens, as vLLM reads them: lm-evaluation-harness finds a
+    model's BOS and EOS ids by tokenizing their strings here (a completion's prompt text keeps them literal, so
+    a user's text cannot smuggle in a special token; token-id prompts carry them)."""
     request.refuse_unsupported()
     if request.messages is not None:
         ids = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
     else:
         assert request.prompt is not None  # the request's validator: exactly one of prompt and messages
-        ids = inputs.encode_text(request.prompt, "prompt")
+        ids = inputs.encode_text(request.prompt, "prompt", special_tokens=True)
         if not request.add_special_tokens and inputs.config.add_bos_token:
             ids = ids[1:]
     strs = [inputs.tokenizer.id_to_token(t) for t in ids] if request.return_token_strs else None

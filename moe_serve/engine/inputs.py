@@ -128,9 +128,10 @@ class InputProcessor:
         """No text longer than this can fit the context, whatever its tokens."""
         return self.max_model_len * self.tokenizer.max_token_chars
 
-    def encode_text(self, text: str, parameter: str) -> list[int]:
+    def encode_text(self, text: str, parameter: str, special_tokens: bool = False) -> list[int]:
         """Token ids of a text input, starting with BOS for models that want it; checked against the context
-        (a text that cannot fit is refused by its length, before it is tokenized)."""
+        (a text that cannot fit is refused by its length, before it is tokenized). special_tokens: the text's
+        special-token strings are those tokens (/tokenize, as vLLM's); else they stay plain text."""
         if not isinstance(text, str):
             raise ValidationError(f"{parameter} must be a string, got {type(text).__name__}", parameter=parameter)
         if len(text) > self.max_text_chars:
@@ -139,7 +140,7 @@ class InputProcessor:
                 f"which hold at most {self.max_text_chars} characters",
                 parameter=parameter,
             )
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode_rendered(text) if special_tokens else self.tokenizer.encode(text)
         if not ids:
             raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
         if self.config.add_bos_token:

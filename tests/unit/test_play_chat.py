@@ -53,7 +53,7 @@ def messages(raw: list[dict]) -> list[p.ChatMessage]:
 def test_every_bundled_lm_carries_the_recipe_template(name: str) -> None:
     """One owner: the artifacts hold exactly what recipes.play_chat installs (build_demos writes it)."""
     model = json.loads((resolve_model(name) / "config.json").read_text())["model"]
-    assert model["chat_template"] == play_chat.TEMPLATE and tuple(model["chat_stop"]) == play_chat.STOP
+    assert model["chat_template"] == play_chat.template_for(model) and tuple(model["chat_stop"]) == play_chat.STOP
 
 
 def test_conversation_renders_as_play_dialogue(llm: LLM) -> None:
