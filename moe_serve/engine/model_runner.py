@@ -111,13 +111,12 @@ class TorchRunner:
         )
         groups: tuple[AttentionBatch, ...] = ()
         if block_tables is not None:
+            width = max(len(t) for t in block_tables[0])  # every group's tables are as long as the first's
             groups = tuple(
                 dataclasses.replace(
                     attention,
                     block_tables=torch.tensor(
-                        [t + [0] * (max(len(t) for t in tables) - len(t)) for t in tables],
-                        dtype=torch.int32,
-                        device=device,
+                        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
                     ),
                     slot_mapping=torch.tensor(rows, device=device),
                 )
