@@ -10,6 +10,7 @@ from pathlib import Path
 from moe_serve.quality import QualityRow
 
 CSV_FIELDS = ["model", "weights", "dataset", "k", "metric", "value", "policy"]
+UNTRAINED_MARK = "*"  # a seeds-table cell at a k the recipe never trained at
 
 
 def write_csv(path: Path, rows: list[QualityRow]) -> None:
@@ -56,13 +57,16 @@ def stored_summaries(name: str, provenance: dict) -> dict[str, dict]:
 def format_seed_table(summaries: dict[str, dict]) -> str:
     """Recipes side by side: for each metric, a model per row and k per column, each cell the mean and
     sample standard deviation over the recipe's training seeds (an artifact's provenance `seeds`, written
-    by recipes.build_demos); `n` seeds, and which one the artifact is. Then, where recorded, the router
-    diagnostics' deltas per k and each recipe's training precision and wall time per seed."""
+    by recipes.build_demos); `n` seeds, and which one the artifact is. A cell at a k the recipe never
+    trained at (its summary's `trained_k`) is marked `*`. Then, where recorded, the router diagnostics'
+    deltas per k and each recipe's training precision and wall time per seed."""
     lines = []
     cells = [(model, q) for model, summary in summaries.items() for q in summary["quality"]]
     for metric in sorted({q["metric"] for _, q in cells}):
         subset = [(model, q) for model, q in cells if q["metric"] == metric]
         lines += _block(f"{metric} (mean ± std over seeds)", subset, summaries)
+    if any(summary.get("trained_k") for summary in summaries.values()):
+        lines += [f"{UNTRAINED_MARK}: a k that recipe never trained at (its training k: trained_k in the summary)", ""]
     diagnostics = [(model, d) for model, summary in summaries.items() for d in summary.get("diagnostics", [])]
     for name in sorted({d["name"] for _, d in diagnostics}):
         subset = [(model, d) for model, d in diagnostics if d["name"] == name]
@@ -102,10 +106,16 @@ def _block(title: str, subset: list[tuple[str, dict]], summaries: dict[str, dict
     ks = sorted({cell["k"] for _, cell in subset})
     models = list(dict.fromkeys(model for model, _ in subset))
     width = max(len(m) for m in models) + 2
-    lines = [title, " " * width + "".join(f"{'k=' + str(k):>17}" for k in ks) + "   seeds (bundled)"]
+    lines = [title, " " * width + "".join(f"{'k=' + str(k):>18}" for k in ks) + "   seeds (bundled)"]
     for model in models:
         by_k = {cell["k"]: cell for m, cell in subset if m == model}
-        row = "".join(f"{_mean_std(by_k[k]):>17}" if k in by_k else f"{'-':>17}" for k in ks)
+        trained = summaries[model].get("trained_k")
+        row = "".join(
+            f"{_mean_std(by_k[k]) + (UNTRAINED_MARK if trained and k not in trained else ' '):>18}"
+            if k in by_k
+            else f"{'- ':>18}"
+            for k in ks
+        )
         summary = summaries[model]
         lines.append(f"{model:<{width}}{row}   {len(summary['seeds'])} ({summary['bundled_seed']})")
     return [*lines, ""]

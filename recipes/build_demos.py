@@ -218,6 +218,15 @@ def _spread(values: dict[int, float]) -> dict:
     }
 
 
+def trained_ks(record: dict) -> list[int] | None:
+    """The k a recipe's runs trained at (None: every k is the same model, a dense LM): the LMs' k schedule
+    (top_k_min to top_k_max), the classifiers' k (SMEAR merges all experts; Switch picks one)."""
+    model = record["model"]
+    if record["task"] == "causal_lm":
+        return None if model["method"] == "dense" else list(range(model["top_k_min"], model["top_k_max"] + 1))
+    return {"smear": [model["num_experts"]], "switch": [1]}.get(model["method"], [model["k"]])
+
+
 def seed_summary(
     recipe: str,
     per_seed: dict[int, list[QualityRow]],
@@ -225,9 +234,11 @@ def seed_summary(
     task: str,
     settings: str,
     runs: dict[int, dict] | None = None,
+    trained_k: list[int] | None = None,
 ) -> dict:
     """Each (k, metric): every seed's value, their mean and sample standard deviation; with the runs'
-    facts (run_facts), each seed's, and the spread of the wall time and of the diagnostics' deltas per k."""
+    facts (run_facts), each seed's, and the spread of the wall time and of the diagnostics' deltas per k.
+    `trained_k` (trained_ks) lets a table mark the k no seed was trained at."""
     cells: dict[tuple[int, str], dict[int, float]] = {}
     for seed, rows in per_seed.items():
         for row in rows:
@@ -243,6 +254,8 @@ def seed_summary(
         "chosen_by": f"{rule} mean {HEADLINE[task]} over k = {', '.join(map(str, KS))} on the held-out plays",
         "quality": quality,
     }
+    if trained_k is not None:
+        summary["trained_k"] = trained_k
     facts = {seed: f for seed, f in (runs or {}).items() if seed in per_seed and f}
     return summary | runs_summary(facts) if facts else summary
 
@@ -304,7 +317,9 @@ def measure(
     per_seed = {**earlier_seeds(name, settings, measured, seeds), **measured}
     facts = {**earlier_facts(name, set(per_seed) - set(measured)), **{s: run_facts(r) for s, r in records.items()}}
     task = "causal_lm" if train.RECIPES[recipe].kind == "lm" else "sequence_classification"
-    return measured, records, seed_summary(recipe, per_seed, best_seed(per_seed, task), task, settings, facts)
+    trained = trained_ks(records[available[0]])  # one setting: every seed's record agrees
+    summary = seed_summary(recipe, per_seed, best_seed(per_seed, task), task, settings, facts, trained)
+    return measured, records, summary
 
 
 def write_provenance(artifact: Path, **entries: object) -> None:

@@ -166,6 +166,7 @@ def test_eval_stored_prints_each_recipes_mean_and_std_over_seeds(run, tmp_path) 
         "seeds": [0, 1, 2],
         "bundled_seed": 2,
         "chosen_by": "highest mean accuracy",
+        "trained_k": [2],
         "quality": [
             {"k": 1, "metric": "accuracy", "mean": 0.5123, "std": 0.0211, "values": {"0": 0.49, "1": 0.52, "2": 0.53}},
             {"k": 2, "metric": "accuracy", "mean": 0.6, "std": None, "values": {"2": 0.6}},
@@ -175,7 +176,8 @@ def test_eval_stored_prints_each_recipes_mean_and_std_over_seeds(run, tmp_path) 
     out = run("eval", "--stored", str(seeded)).stdout
     assert "[sequence_classification]" in out and "accuracy (mean ± std over seeds)" in out
     line = next(line for line in out.splitlines() if line.startswith("genre-seeded"))
-    assert "0.5123 ± 0.0211" in line and "0.6000" in line and line.endswith("3 (2)")
+    assert "0.5123 ± 0.0211*" in line and "0.6000 " in line and line.endswith("3 (2)")  # k = 1: never trained
+    assert "*: a k that recipe never trained at" in out
     refused = run("eval", "--stored", str(plain), check=False)
     assert refused.returncode == 2 and "carries no figures over training seeds" in refused.stderr
     nothing = run("eval", check=False)

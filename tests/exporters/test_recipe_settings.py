@@ -20,6 +20,7 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.exporters import transformer_xl
 from moe_serve.quality import QualityRow
 from recipes import build_demos, diagnostics, play_chat, train
+from recipes.encoder import EncoderConfig
 from recipes.transformer_xl import MemTransformerLM, TXLConfig, switch_router_losses
 
 # fmt: off
@@ -62,7 +63,7 @@ def test_the_recipes_settings() -> None:
     for name in ("similarity-lm", "attention-lm"):
         cfg = train.lm_config(train.RECIPES[name].method, train.RECIPES[name].model)
         assert (cfg.top_k_min, cfg.top_k_max, cfg.num_experts) == (2, 2, 8)
-    assert train.lm_config("similarity", train.RECIPES["similarity-lm"].model).graph_tau == pytest.approx(128**0.5)
+    assert train.lm_config("similarity", train.RECIPES["similarity-lm"].model).graph_tau == pytest.approx(128 / 4)
     hypermoe = train.lm_config("hypermoe", train.RECIPES["hypermoe-lm"].model)
     top1 = train.lm_config("smoe", train.RECIPES["smoe-top1-lm"].model)
     assert (top1.top_k_min, top1.top_k_max, top1.switch_router) == (1, 1, True)
@@ -229,6 +230,31 @@ def test_seed_summary_keeps_every_seeds_wall_time_and_diagnostics() -> None:
     assert build_demos.run_facts(record) == {"train_seconds": 5.0, "precision": "bf16", "diagnostics": {"movement": []}}
 
 
+def test_the_seeds_summary_records_the_k_each_recipe_trained_at() -> None:
+    """What `eval --stored` marks: the LMs' k schedule, the classifiers' k, none for a dense LM."""
+
+    def record(name: str) -> dict:
+        recipe = train.RECIPES[name]
+        if recipe.kind == "lm":
+            return {"task": "causal_lm", "model": train.lm_config(recipe.method, recipe.model).to_dict()}
+        return {"task": "sequence_classification", "model": EncoderConfig(method=recipe.method).to_dict()}
+
+    expected = {
+        "smoe-lm": [4, 5, 6, 7, 8],
+        "similarity-lm": [2],
+        "hypermoe-lm": [1],
+        "smoe-top1-lm": [1],
+        "dense-lm": None,
+        "moesart-clf": [2],
+        "topk-clf": [2],
+        "smear-clf": [8],
+        "switch-clf": [1],
+    }
+    assert {recipe: build_demos.trained_ks(record(recipe)) for recipe in expected} == expected
+    per_seed = {0: rows({1: 2.5, 2: 2.4})}
+    assert build_demos.seed_summary("similarity-lm", per_seed, 0, "causal_lm", "s", trained_k=[2])["trained_k"] == [2]
+
+
 def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -241,7 +267,8 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     per_seed = {0: rows({1: 2.40}), 1: rows({1: 2.44})}
     runs = {0: facts(600.0, 0.0), 1: facts(700.0, 0.0)}
     build_demos.write_provenance(host, seeds=build_demos.seed_summary("hypermoe-lm", per_seed, 0, "causal_lm", "s"))
-    record = {"recipe": "smoe-top1-lm", "method": "smoe", "precision": "fp32"}
+    model_config = {"method": "smoe", "top_k_min": 1, "top_k_max": 1}
+    record = {"recipe": "smoe-top1-lm", "precision": "fp32", "task": "causal_lm", "model": model_config}
     for seed in (0, 1):
         run = tmp_path / "runs" / "smoe-top1-lm" / f"seed-{seed}"
         run.mkdir(parents=True)
@@ -255,7 +282,7 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     assert [(r.model, r.k, r.value) for r in out] == [("shakespeare-smoe-top1", 1, 2.5)]
     provenance = json.loads((host / "config.json").read_text())["provenance"]
     control = provenance["controls"]["shakespeare-smoe-top1"]
-    assert control["seeds"] == [0, 1] and control["quality"][0]["mean"] == 2.505
+    assert control["seeds"] == [0, 1] and control["quality"][0]["mean"] == 2.505 and control["trained_k"] == [1]
     assert control["train_seconds"]["mean"] == 650.0 and provenance["seeds"]["recipe"] == "hypermoe-lm"
     # The runs gone: the recorded summary stays, and counts as the control's earlier seeds.
     for seed in (0, 1):

@@ -155,6 +155,34 @@ def test_linear_is_the_fp32_kernel_on_the_dequantized_weight(
     torch.testing.assert_close(alone, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
 
 
+UNEVEN_K = [
+    (f, k)
+    for f in WeightFormat
+    for k in (32, 32 * 5, 32 * 7, 16 * 7 + 3, 16 * 9, 5)
+    if k % GROUP_SIZE == 0 or f in (WeightFormat.FP32, WeightFormat.BF16)
+]
+
+
+@pytest.mark.parametrize("fmt,k", UNEVEN_K, ids=[f"{f.value}-k{k}" for f, k in UNEVEN_K])
+def test_linear_rows_are_batch_invariant_at_any_k(ext: ModuleType, fmt: WeightFormat, k: int) -> None:
+    """Each row alone and in every batch (one row of W at a time up to 4 rows of X, register blocks above
+    with their tails in X and in W: 13 rows), bitwise, at K that the kernels' accumulator chains share
+    unevenly: an odd number of 16-value vectors and of 32-value groups, a tail shorter than 16 (the float
+    formats), a single group."""
+    generator = torch.Generator().manual_seed(k)
+    w = torch.randn(13, k, generator=generator) / k**0.5
+    weight = w if fmt is WeightFormat.FP32 else quantize(w, fmt)
+    x = torch.randn(67, k, generator=generator)
+    alone = torch.cat([_linear(ext, x[i : i + 1], weight, None) for i in range(len(x))])
+    for m in (1, 2, 3, 4, 5, 6, 9, 10, 11, 64, 67):
+        assert torch.equal(_linear(ext, x[:m], weight, None), alone[:m]), m
+    if isinstance(weight, PackedWeight):
+        assert torch.equal(alone, ext.linear(x, weight.dequantize(), None))
+    torch.testing.assert_close(
+        alone, F.linear(x, w if fmt is WeightFormat.FP32 else weight.dequantize()), rtol=1e-5, atol=1e-5
+    )
+
+
 def _bank(fmt_up: WeightFormat, fmt_down: WeightFormat, gated: bool, biases: bool, activation: str, seed: int):
     generator = torch.Generator().manual_seed(seed)
     experts, d, inner = 4, 64, 96

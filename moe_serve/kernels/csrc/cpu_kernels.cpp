@@ -401,9 +401,17 @@ void dequantize_rows(const W& w, int64_t n, int64_t rows, int64_t K, float* out,
 // an L1 tile first). Every output is the same FMA chain: the results are identical whatever M is.
 //
 // Grouped formats, measured on one Zen 4 core (LM head 32000 x 1024 from memory, benchmarks/packed_gemv.py):
-// - up to 4 rows, unpacked in registers at each step: int4 2.06 ms at M = 1, int8 2.04 (fp32 4.05). Both
-//   are bound by the accumulator's FMA latency (two chained FMAs a group), yet two or four rows of W at a
-//   time (independent chains) were slower from memory (int4 2.88, 2.84 ms: several streams again);
+// - up to 4 rows, unpacked in registers at each step: int4 2.06 ms at M = 1, int8 2.04 (fp32 4.05), one
+//   accumulator chain a row (two chained FMAs a group); two or four rows of W at a time (independent
+//   chains) were slower from memory (int4 2.88, 2.84 ms: several streams again);
+// - two or four chains an output (vector t of K into chain t % C, the chains summed pairwise at the end),
+//   which the blocks above 4 rows compute in C passes over K for the same results (the other core busy,
+//   load average 6, each call interleaved with the one-chain kernel's): at M = 1 int4 2.12 -> 1.84 ms,
+//   int8 2.64 -> 2.22 with 2 chains (4 no better: the unpacking's throughput, not the FMA latency, holds
+//   the rest), fp32 6.6 from memory either way; but the passes cost the blocks a store, a load and an add
+//   an output and chain, each reading every C-th vector of its rows: M = 64 fp32 50.4 -> 61.9 ms, int4
+//   44.7 -> 45.5 (1024 x 1024: fp32 1.52 -> 1.80, int4 1.46 -> 1.59), 4 chains slower still; AVX2 at
+//   M = 1 int4 2.59 -> 2.56, at M = 64 64.1 -> 73.4. Not taken: one chain;
 // - partial sums per group times the scale (sum x q, then one FMA by the scale): 1.68 / 1.64 ms at M = 1,
 //   but another summation order, which the register blocks above 4 rows have no registers for (25 sums,
 //   10 W vectors, 5 scales), so a row's result would depend on its batch: not taken;
