@@ -126,7 +126,8 @@ def test_seed_summary_and_best_seed() -> None:
 def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path, monkeypatch) -> None:
     """Seeds trained in an earlier sitting (recorded in the bundled demo's provenance) join the summary under
     the same recipe settings; the bundled demo, still the best seed, keeps its weights and gains the summary."""
-    record = {"recipe": "smoe-lm", "method": "smoe", "steps": 1500, "seed": 1, "command": "python -m ..."}
+    model = {"method": "smoe", "top_k_min": 4, "top_k_max": 8}
+    record = {"recipe": "smoe-lm", "task": "causal_lm", "model": model, "steps": 1500, "seed": 1, "command": "python"}
     settings = build_demos.settings_sha256(record)
     assert settings == build_demos.settings_sha256({**record, "seed": 2, "metrics": {"x": 1}})
     assert settings != build_demos.settings_sha256({**record, "steps": 3000})
@@ -150,7 +151,7 @@ def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path
     out = build_demos.bundle("shakespeare-smoe", "smoe-lm", "smoe", tmp_path / "runs", [0, 1, 2], None)
     assert [r.value for r in out] == [2.8, 2.7]
     seeds = json.loads((bundled / "config.json").read_text())["provenance"]["seeds"]
-    assert seeds["seeds"] == [0, 1, 2] and seeds["bundled_seed"] == 0
+    assert seeds["seeds"] == [0, 1, 2] and seeds["bundled_seed"] == 0 and seeds["trained_k"] == [4, 5, 6, 7, 8]
     assert seeds["quality"][0]["values"] == {"0": 2.8, "1": 2.9, "2": 3.0}
 
     assert build_demos.earlier_seeds("shakespeare-smoe", settings, {1: rows({1: 2.9, 2: 2.8})}, [0, 1]) == {
