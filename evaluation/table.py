@@ -80,10 +80,17 @@ def format_seed_table(summaries: dict[str, dict]) -> str:
             minutes = {"mean": spread["mean"] / 60, "std": None if spread["std"] is None else spread["std"] / 60}
             lines.append(
                 f"{model:<{width}}{_mean_std(minutes, 1)} min, {summary.get('precision', '?')}"
-                f"{_cpu(summary.get('runs') or {})}, {len(spread['values'])} seeds"
+                f"{_cpu(summary.get('runs') or {})}, {len(spread['values'])} seeds{_load(summary.get('runs') or {})}"
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _load(runs: dict[str, dict]) -> str:
+    """The range of the seeds' 15-minute load averages as each ended (other processes stretch a run's wall
+    time), where recorded."""
+    loads = [facts["load_average"][2] for facts in runs.values() if facts.get("load_average")]
+    return f", 15-min load average at the end {min(loads):.1f}-{max(loads):.1f}" if loads else ""
 
 
 def _cpu(runs: dict[str, dict]) -> str:

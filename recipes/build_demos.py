@@ -135,7 +135,16 @@ def evaluate_run(run: Path, fmt: str, max_items: int | None) -> list[QualityRow]
 
 # A training record's keys that describe one run; every other key (precision included) is the recipe's settings.
 RUN_KEYS = frozenset(
-    {"seed", "command", "metrics", "train_seconds", "hyperrouter_embedding_lr_scale", "seeds", "cpu_bf16_units"}
+    {
+        "seed",
+        "command",
+        "metrics",
+        "train_seconds",
+        "load_average",
+        "hyperrouter_embedding_lr_scale",
+        "seeds",
+        "cpu_bf16_units",
+    }
 )
 # The diagnostics a seeds summary averages: (name in the summary, key in recipes.diagnostics' output).
 DIAGNOSTIC_DELTAS = (
@@ -197,8 +206,10 @@ def earlier_seeds(
 
 
 def run_facts(record: dict) -> dict:
-    """What a seeds summary keeps of one run: its wall time, precision, CPU and router diagnostics."""
-    facts = {key: record[key] for key in ("train_seconds", "precision", "cpu_bf16_units") if key in record}
+    """What a seeds summary keeps of one run: its wall time (and the load average when it ended), precision,
+    CPU and router diagnostics."""
+    kept = ("train_seconds", "load_average", "precision", "cpu_bf16_units")
+    facts = {key: record[key] for key in kept if key in record}
     diagnostics = (record.get("metrics") or {}).get("diagnostics")
     return {**facts, "diagnostics": diagnostics} if diagnostics else facts
 

@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": round(time.time() - start, 1),
         "torch": torch.__version__,
         "cpu_bf16_units": native_bf16(),
+        # what train_seconds depends on besides the recipe: other processes on the cores (1, 5, 15 min)
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     save_checkpoint(out, model, record)
     print(json.dumps({"out": str(out), **metrics, "train_seconds": record["train_seconds"]}))

@@ -206,11 +206,12 @@ def rows(values: dict[int, float]) -> list[QualityRow]:
     return [QualityRow("shakespeare", k, "bits_per_byte", v) for k, v in values.items()]
 
 
-def facts(seconds: float, plain: float) -> dict:
+def facts(seconds: float, plain: float, load: list[float] | None = None) -> dict:
     cell = {"trained": 2.4, "plain": 2.4 + plain, "delta": plain}
     swap = {"trained": 2.4, "initial_router": 2.6, "delta": 0.2}
     return {
         "train_seconds": seconds,
+        **({"load_average": load} if load else {}),
         "precision": "fp32",
         "cpu_bf16_units": False,
         "diagnostics": {"plain_routing_bits_per_byte": {"2": cell}, "swap_to_init_bits_per_byte": {"2": swap}},
@@ -228,6 +229,9 @@ def test_seed_summary_keeps_every_seeds_wall_time_and_diagnostics() -> None:
     assert "runs" not in build_demos.seed_summary("x", per_seed, 0, "causal_lm", "s")  # older builds: as before
     record = {"train_seconds": 5.0, "precision": "bf16", "metrics": {"diagnostics": {"movement": []}}, "seed": 0}
     assert build_demos.run_facts(record) == {"train_seconds": 5.0, "precision": "bf16", "diagnostics": {"movement": []}}
+    loaded = {**record, "load_average": [2.1, 2.0, 1.9]}  # a run key: the settings (and so the mean) stay one
+    assert build_demos.run_facts(loaded)["load_average"] == [2.1, 2.0, 1.9]
+    assert build_demos.settings_sha256(loaded) == build_demos.settings_sha256(record)
 
 
 def test_the_seeds_summary_records_the_k_each_recipe_trained_at() -> None:
@@ -265,7 +269,7 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     train.save_checkpoint(tmp_path / "ckpt", model, {"method": "hypermoe", "model": model.cfg.to_dict(), "seed": 0})
     host = transformer_xl.export("hypermoe", tmp_path / "ckpt", tmp_path / "demo_models" / "shakespeare-hypermoe")
     per_seed = {0: rows({1: 2.40}), 1: rows({1: 2.44})}
-    runs = {0: facts(600.0, 0.0), 1: facts(700.0, 0.0)}
+    runs = {0: facts(600.0, 0.0, [2.0, 2.0, 1.9]), 1: facts(700.0, 0.0, [3.5, 3.3, 3.2])}
     build_demos.write_provenance(host, seeds=build_demos.seed_summary("hypermoe-lm", per_seed, 0, "causal_lm", "s"))
     model_config = {"method": "smoe", "top_k_min": 1, "top_k_max": 1}
     record = {"recipe": "smoe-top1-lm", "precision": "fp32", "task": "causal_lm", "model": model_config}
@@ -296,6 +300,7 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     text = capsys.readouterr().out
     assert "shakespeare-smoe-top1 (control)" in text and "2.5050 ± 0.0071" in text
     assert "training (wall time per seed" in text and "10.8 ± 1.2 min, fp32, CPU without bf16 units" in text
+    assert "2 seeds, 15-min load average at the end 1.9-3.2" in text
     assert main(["eval", "--stored", str(host), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["seeds"]["causal_lm"]
     assert set(printed) == {"shakespeare-hypermoe", "shakespeare-smoe-top1 (control)"}
