@@ -65,8 +65,6 @@ def format_seed_table(summaries: dict[str, dict]) -> str:
     for metric in sorted({q["metric"] for _, q in cells}):
         subset = [(model, q) for model, q in cells if q["metric"] == metric]
         lines += _block(f"{metric} (mean ± std over seeds)", subset, summaries)
-    if any(summary.get("trained_k") for summary in summaries.values()):
-        lines += [f"{UNTRAINED_MARK}: a k that recipe never trained at (its training k: trained_k in the summary)", ""]
     diagnostics = [(model, d) for model, summary in summaries.items() for d in summary.get("diagnostics", [])]
     for name in sorted({d["name"] for _, d in diagnostics}):
         subset = [(model, d) for model, d in diagnostics if d["name"] == name]
@@ -83,6 +81,8 @@ def format_seed_table(summaries: dict[str, dict]) -> str:
                 f"{_cpu(summary.get('runs') or {})}, {len(spread['values'])} seeds{_load(summary.get('runs') or {})}"
             )
         lines.append("")
+    if any(summary.get("trained_k") for summary in summaries.values()):
+        lines += [f"{UNTRAINED_MARK}: a k that recipe never trained at (its training k: trained_k in the summary)", ""]
     return "\n".join(lines)
 
 
@@ -90,7 +90,9 @@ def _load(runs: dict[str, dict]) -> str:
     """The range of the seeds' 15-minute load averages as each ended (other processes stretch a run's wall
     time), where recorded."""
     loads = [facts["load_average"][2] for facts in runs.values() if facts.get("load_average")]
-    return f", 15-min load average at the end {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    if not loads:
+        return ""
+    return f", 15-min load average at the end {min(loads):.1f}-{max(loads):.1f} ({len(loads)} of {len(runs)} seeds)"
 
 
 def _cpu(runs: dict[str, dict]) -> str:
@@ -113,7 +115,7 @@ def _block(title: str, subset: list[tuple[str, dict]], summaries: dict[str, dict
     ks = sorted({cell["k"] for _, cell in subset})
     models = list(dict.fromkeys(model for model, _ in subset))
     width = max(len(m) for m in models) + 2
-    lines = [title, " " * width + "".join(f"{'k=' + str(k):>18}" for k in ks) + "   seeds (bundled)"]
+    lines = [title, " " * width + "".join(f"{'k=' + str(k):>17} " for k in ks) + "   seeds (bundled)"]
     for model in models:
         by_k = {cell["k"]: cell for m, cell in subset if m == model}
         trained = summaries[model].get("trained_k")

@@ -160,6 +160,10 @@ class MoEConfig:
             k, self.num_experts, self.experts_per_token.default
         )
 
+    def exact_ks(self) -> tuple[int, ...]:
+        """The allowed k that are not approximate: the k the model trained or was validated at."""
+        return tuple(k for k in range(self.min_k, self.max_k + 1) if not self.is_approximate(k))
+
 
 @dataclass(frozen=True, slots=True)
 class ClassifierConfig:

@@ -49,6 +49,7 @@ from moe_serve.evaluation.runner import evaluate
 from moe_serve.evaluation.table import format_table, write_csv
 from moe_serve.exporters import exporter
 from moe_serve.exporters.base import TRAINING_CHECKPOINT, TRAINING_CONFIG, ExportOptions
+from moe_serve.model_config import ModelConfig
 from moe_serve.quality import LOWER_IS_BETTER, QUALITY_FILE, QualityRow, QualityTable
 from moe_serve.registry import BUNDLED_DIR
 from recipes import play_chat, train
@@ -229,13 +230,11 @@ def _spread(values: dict[int, float]) -> dict:
     }
 
 
-def trained_ks(record: dict) -> list[int] | None:
-    """The k a recipe's runs trained at (None: every k is the same model, a dense LM): the LMs' k schedule
-    (top_k_min to top_k_max), the classifiers' k (SMEAR merges all experts; Switch picks one)."""
-    model = record["model"]
-    if record["task"] == "causal_lm":
-        return None if model["method"] == "dense" else list(range(model["top_k_min"], model["top_k_max"] + 1))
-    return {"smear": [model["num_experts"]], "switch": [1]}.get(model["method"], [model["k"]])
+def trained_ks(artifact: Path) -> list[int] | None:
+    """The k an exported run serves exactly (MoEConfig.exact_ks: the k it trained at, by its exporter and
+    router kind, as the served `approximate` flag has it); None for a model without experts."""
+    moe = ModelConfig.from_dict(json.loads((artifact / CONFIG_FILE).read_text())["model"]).moe
+    return list(moe.exact_ks()) if moe is not None else None
 
 
 def seed_summary(
@@ -328,7 +327,8 @@ def measure(
     per_seed = {**earlier_seeds(name, settings, measured, seeds), **measured}
     facts = {**earlier_facts(name, set(per_seed) - set(measured)), **{s: run_facts(r) for s, r in records.items()}}
     task = "causal_lm" if train.RECIPES[recipe].kind == "lm" else "sequence_classification"
-    trained = trained_ks(records[available[0]])  # one setting: every seed's record agrees
+    artifact = run_dir(runs, recipe, available[0]) / "artifact"  # evaluate_run exported it; one setting for all
+    trained = trained_ks(artifact) if (artifact / CONFIG_FILE).is_file() else None
     summary = seed_summary(recipe, per_seed, best_seed(per_seed, task), task, settings, facts, trained)
     return measured, records, summary
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_serve.quality import QualityRow, QualityTable
+from moe_serve.registry import resolve_model
 from recipes import build_demos, diagnostics, train
 from recipes.transformer_xl import HyperRouterGate, MemTransformerLM, TXLConfig
 
@@ -126,8 +128,7 @@ def test_seed_summary_and_best_seed() -> None:
 def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path, monkeypatch) -> None:
     """Seeds trained in an earlier sitting (recorded in the bundled demo's provenance) join the summary under
     the same recipe settings; the bundled demo, still the best seed, keeps its weights and gains the summary."""
-    model = {"method": "smoe", "top_k_min": 4, "top_k_max": 8}
-    record = {"recipe": "smoe-lm", "task": "causal_lm", "model": model, "steps": 1500, "seed": 1, "command": "python"}
+    record = {"recipe": "smoe-lm", "method": "smoe", "steps": 1500, "seed": 1, "command": "python -m ..."}
     settings = build_demos.settings_sha256(record)
     assert settings == build_demos.settings_sha256({**record, "seed": 2, "metrics": {"x": 1}})
     assert settings != build_demos.settings_sha256({**record, "steps": 3000})
@@ -141,6 +142,8 @@ def test_seeds_of_an_earlier_build_count_when_their_runs_are_gone(tmp_path: Path
     run.mkdir(parents=True)
     (run / "checkpoint.safetensors").write_bytes(b"")
     (run / "training_config.json").write_text(json.dumps(record))
+    (run / "artifact").mkdir()  # what evaluate_run exported: an SMoE trained at k = 4..8
+    shutil.copy(resolve_model("shakespeare-smoe") / "config.json", run / "artifact" / "config.json")
     monkeypatch.setattr(build_demos, "BUNDLED_DIR", tmp_path / "demo_models")
     monkeypatch.setattr(build_demos, "evaluate_run", lambda *_: rows({1: 2.9, 2: 2.8}))  # seed 1, as recorded
 

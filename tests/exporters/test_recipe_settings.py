@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ from torch.nn import functional as F
 from moe_serve import LLM, SamplingParams
 from moe_serve.exporters import transformer_xl
 from moe_serve.quality import QualityRow
+from moe_serve.registry import resolve_model
 from recipes import build_demos, diagnostics, play_chat, train
-from recipes.encoder import EncoderConfig
 from recipes.transformer_xl import MemTransformerLM, TXLConfig, switch_router_losses
 
 # fmt: off
@@ -108,6 +109,8 @@ def test_new_recipe_trains_exports_and_folds_at_every_k(tmp_path: Path, monkeypa
     if name == "smoe-top1-lm":  # HyperMoE's Switch router: no bias, p_e not renormalised
         assert (moe.router.kind, moe.router.normalize, moe.router.use_bias) == ("topk_softmax", False, False)
         assert moe.default_k == 1 and not llm.config.is_approximate(1) and llm.config.is_approximate(2)
+    trained = train.RECIPES[name].model["top_k_max"]  # the graph routers and the top-1 controls: one k
+    assert build_demos.trained_ks(tmp_path / "artifact") == [trained]
     provenance = json.loads((tmp_path / "artifact" / "config.json").read_text())["provenance"]
     assert provenance["precision"] == "fp32" and provenance["train_seconds"] == record["train_seconds"]
     assert provenance["router_aux_loss_coef"] == train.RECIPES[name].router_aux_loss_coef
@@ -235,26 +238,20 @@ def test_seed_summary_keeps_every_seeds_wall_time_and_diagnostics() -> None:
 
 
 def test_the_seeds_summary_records_the_k_each_recipe_trained_at() -> None:
-    """What `eval --stored` marks: the LMs' k schedule, the classifiers' k, none for a dense LM."""
-
-    def record(name: str) -> dict:
-        recipe = train.RECIPES[name]
-        if recipe.kind == "lm":
-            return {"task": "causal_lm", "model": train.lm_config(recipe.method, recipe.model).to_dict()}
-        return {"task": "sequence_classification", "model": EncoderConfig(method=recipe.method).to_dict()}
-
+    """What `eval --stored` marks, read from an exported artifact (MoEConfig.exact_ks): the LMs' k
+    schedule, the classifiers' k (SMEAR merges all N), none for a dense LM. (The graph demos' k change
+    with issue 32's retraining; their exports are checked in test_new_recipe_trains_exports_and_folds.)"""
     expected = {
-        "smoe-lm": [4, 5, 6, 7, 8],
-        "similarity-lm": [2],
-        "hypermoe-lm": [1],
-        "smoe-top1-lm": [1],
-        "dense-lm": None,
-        "moesart-clf": [2],
-        "topk-clf": [2],
-        "smear-clf": [8],
-        "switch-clf": [1],
+        "shakespeare-smoe": [4, 5, 6, 7, 8],
+        "shakespeare-hyperrouter": [4, 5, 6, 7, 8],
+        "shakespeare-hypermoe": [1],
+        "shakespeare-dense": None,
+        "genre-moesart": [2],
+        "genre-topk": [2],
+        "genre-smear": [8],
+        "genre-switch": [1],
     }
-    assert {recipe: build_demos.trained_ks(record(recipe)) for recipe in expected} == expected
+    assert {name: build_demos.trained_ks(resolve_model(name)) for name in expected} == expected
     per_seed = {0: rows({1: 2.5, 2: 2.4})}
     assert build_demos.seed_summary("similarity-lm", per_seed, 0, "causal_lm", "s", trained_k=[2])["trained_k"] == [2]
 
@@ -271,13 +268,14 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     per_seed = {0: rows({1: 2.40}), 1: rows({1: 2.44})}
     runs = {0: facts(600.0, 0.0, [2.0, 2.0, 1.9]), 1: facts(700.0, 0.0, [3.5, 3.3, 3.2])}
     build_demos.write_provenance(host, seeds=build_demos.seed_summary("hypermoe-lm", per_seed, 0, "causal_lm", "s"))
-    model_config = {"method": "smoe", "top_k_min": 1, "top_k_max": 1}
-    record = {"recipe": "smoe-top1-lm", "precision": "fp32", "task": "causal_lm", "model": model_config}
+    record = {"recipe": "smoe-top1-lm", "method": "smoe", "precision": "fp32"}
     for seed in (0, 1):
         run = tmp_path / "runs" / "smoe-top1-lm" / f"seed-{seed}"
         run.mkdir(parents=True)
         (run / "checkpoint.safetensors").write_bytes(b"")
         (run / "training_config.json").write_text(json.dumps({**record, "seed": seed, **runs[seed]}))
+        (run / "artifact").mkdir()  # what evaluate_run exports: a top-1 model, as the host
+        shutil.copy(host / "config.json", run / "artifact" / "config.json")
     monkeypatch.setattr(build_demos, "BUNDLED_DIR", tmp_path / "demo_models")
     monkeypatch.setattr(build_demos, "evaluate_run", lambda run, *_: rows({1: 2.5 + 0.01 * int(run.name[-1])}))
     out = build_demos.bundle_control(
@@ -300,7 +298,7 @@ def test_controls_go_into_their_hosts_provenance_and_eval_stored_prints_them(
     text = capsys.readouterr().out
     assert "shakespeare-smoe-top1 (control)" in text and "2.5050 ± 0.0071" in text
     assert "training (wall time per seed" in text and "10.8 ± 1.2 min, fp32, CPU without bf16 units" in text
-    assert "2 seeds, 15-min load average at the end 1.9-3.2" in text
+    assert "2 seeds, 15-min load average at the end 1.9-3.2 (2 of 2 seeds)" in text
     assert main(["eval", "--stored", str(host), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["seeds"]["causal_lm"]
     assert set(printed) == {"shakespeare-hypermoe", "shakespeare-smoe-top1 (control)"}

@@ -166,9 +166,8 @@ UNEVEN_K = [
 @pytest.mark.parametrize("fmt,k", UNEVEN_K, ids=[f"{f.value}-k{k}" for f, k in UNEVEN_K])
 def test_linear_rows_are_batch_invariant_at_any_k(ext: ModuleType, fmt: WeightFormat, k: int) -> None:
     """Each row alone and in every batch (one row of W at a time up to 4 rows of X, register blocks above
-    with their tails in X and in W: 13 rows), bitwise, at K that the kernels' accumulator chains share
-    unevenly: an odd number of 16-value vectors and of 32-value groups, a tail shorter than 16 (the float
-    formats), a single group."""
+    with their tails in X and in W: 13 rows), bitwise, at uneven K: an odd number of 32-value groups, a
+    single group, and for the float formats an odd number of 16-value vectors and a tail shorter than 16."""
     generator = torch.Generator().manual_seed(k)
     w = torch.randn(13, k, generator=generator) / k**0.5
     weight = w if fmt is WeightFormat.FP32 else quantize(w, fmt)
