@@ -118,14 +118,14 @@ def _block(title: str, subset: list[tuple[str, dict]], summaries: dict[str, dict
     lines = [title, " " * width + "".join(f"{'k=' + str(k):>17} " for k in ks) + "   seeds (bundled)"]
     for model in models:
         by_k = {cell["k"]: cell for m, cell in subset if m == model}
-        trained = summaries[model].get("trained_k")
+        summary = summaries[model]
+        trained = summary.get("trained_k")
         row = "".join(
             f"{_mean_std(by_k[k]) + (UNTRAINED_MARK if trained and k not in trained else ' '):>18}"
             if k in by_k
             else f"{'- ':>18}"
             for k in ks
         )
-        summary = summaries[model]
         lines.append(f"{model:<{width}}{row}   {len(summary['seeds'])} ({summary['bundled_seed']})")
     return [*lines, ""]
 
