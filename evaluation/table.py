@@ -74,11 +74,11 @@ def format_seed_table(summaries: dict[str, dict]) -> str:
         width = max(len(m) for m in timed) + 2
         lines.append("training (wall time per seed, mean ± std)")
         for model, summary in timed.items():
-            spread = summary["train_seconds"]
+            spread, runs = summary["train_seconds"], summary.get("runs") or {}
             minutes = {"mean": spread["mean"] / 60, "std": None if spread["std"] is None else spread["std"] / 60}
             lines.append(
                 f"{model:<{width}}{_mean_std(minutes, 1)} min, {summary.get('precision', '?')}"
-                f"{_cpu(summary.get('runs') or {})}, {len(spread['values'])} seeds{_load(summary.get('runs') or {})}"
+                f"{_cpu(runs)}, {len(spread['values'])} seeds{_load(runs)}"
             )
         lines.append("")
     if any(summary.get("trained_k") for summary in summaries.values()):
