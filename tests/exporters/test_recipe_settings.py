@@ -64,7 +64,7 @@ def test_the_recipes_settings() -> None:
     for name in ("similarity-lm", "attention-lm"):
         cfg = train.lm_config(train.RECIPES[name].method, train.RECIPES[name].model)
         assert (cfg.top_k_min, cfg.top_k_max, cfg.num_experts) == (2, 2, 8)
-    assert train.lm_config("similarity", train.RECIPES["similarity-lm"].model).graph_tau == pytest.approx(128 / 4)
+    assert train.lm_config("similarity", train.RECIPES["similarity-lm"].model).graph_tau == pytest.approx(128 / 2)
     hypermoe = train.lm_config("hypermoe", train.RECIPES["hypermoe-lm"].model)
     top1 = train.lm_config("smoe", train.RECIPES["smoe-top1-lm"].model)
     assert (top1.top_k_min, top1.top_k_max, top1.switch_router) == (1, 1, True)
