@@ -107,6 +107,7 @@ def _cpu(runs: dict[str, dict]) -> str:
 DIAGNOSTICS = {
     "plain_routing_delta_bits_per_byte": "bits per byte with the graph mixing off, minus with it",
     "swap_to_init_delta_bits_per_byte": "bits per byte with the routers at their initial values, minus trained",
+    "fixed_hyper_expert_delta_bits_per_byte": "bits per byte with one HyperExpert for every token, minus trained",
 }
 
 

@@ -151,6 +151,7 @@ RUN_KEYS = frozenset(
 DIAGNOSTIC_DELTAS = (
     ("plain_routing_delta_bits_per_byte", "plain_routing_bits_per_byte"),
     ("swap_to_init_delta_bits_per_byte", "swap_to_init_bits_per_byte"),
+    ("fixed_hyper_expert_delta_bits_per_byte", "fixed_hyper_expert_bits_per_byte"),
 )
 
 

@@ -16,6 +16,10 @@
   routed by plain top-k of each token's own gate probabilities (the graph mixing switched off), minus
   the trained model's; and the fraction of (token, MoE layer) whose chosen set the mixing changes. A
   mixing matrix close to the identity costs ~0 here.
+- fixed_hyper_expert (HyperMoE only): held-out bits per byte at each k with every token of a MoE layer
+  given the same HyperExpert, the one generated for the layer's most-used set (its k most loaded experts
+  at the trained k) whatever the token selected, minus the trained model's. A HyperExpert that does not
+  depend on the selection costs ~0 here.
 The initial model is rebuilt from the run's seed: `recipes.train` seeds torch and then builds the model
 before drawing anything else, so the same seed gives the same initial weights.
 """
@@ -193,6 +197,30 @@ def choices_changed(model: MemTransformerLM, data: torch.Tensor, seq_len: int, k
     return {str(k): round(changed[k] / max(total, 1), 4) for k in ks}
 
 
+def hypermoe_layers(model: MemTransformerLM) -> list[HyperMoEPositionwiseFF]:
+    return [ff for ff in moe_layers(model) if isinstance(ff, HyperMoEPositionwiseFF)]
+
+
+@contextlib.contextmanager
+def fixed_hyper_expert(model: MemTransformerLM, load: list[list[float]]) -> Iterator[MemTransformerLM]:
+    """The same weights with every token of each HyperMoE layer given the HyperExpert of that layer's
+    most-used set at the current k (the k experts with the largest share of `load`, expert_load at the
+    trained k), whatever set the token selected; the experts it selected still run. Restored on exit."""
+    layers = hypermoe_layers(model)
+    try:
+        for ff, shares in zip(layers, load, strict=True):
+            fixed = torch.tensor(shares).topk(ff.top_k).indices.sort().values
+
+            def generate(x: torch.Tensor, indices: torch.Tensor, ff=ff, fixed=fixed) -> torch.Tensor:
+                return type(ff).hyper_expert(ff, x, fixed.expand(x.shape[0], -1))
+
+            ff.hyper_expert = generate  # an instance attribute over the class's method
+        yield model
+    finally:
+        for ff in layers:
+            ff.__dict__.pop("hyper_expert", None)
+
+
 @contextlib.contextmanager
 def initial_routers(model: MemTransformerLM, initial: MemTransformerLM) -> Iterator[MemTransformerLM]:
     """The trained model with every router (the gate: e for HyperRouter, whose frozen hypernetwork never
@@ -220,7 +248,9 @@ def router_diagnostics(
         if isinstance(ff.gate, HyperRouterGate):
             layer["embedding"] = _movement(ff.gate.embedding.detach(), start.gate.embedding.detach())
         movement.append(layer)
-    swap, plain = {}, {}
+    model.set_top_k(model.cfg.top_k_max)
+    load = expert_load(model, data, seq_len)  # at the trained k
+    swap, plain, fixed = {}, {}, {}
     for k in ks:
         model.set_top_k(k)
         trained = bits_per_byte(model, data, seq_len)
@@ -239,6 +269,14 @@ def router_diagnostics(
                 "plain": round(unmixed, 4),
                 "delta": round(unmixed - trained, 4),
             }
+        if hypermoe_layers(model):
+            with fixed_hyper_expert(model, load):
+                one_adapter = bits_per_byte(model, data, seq_len)
+            fixed[str(k)] = {
+                "trained": round(trained, 4),
+                "fixed": round(one_adapter, 4),
+                "delta": round(one_adapter - trained, 4),
+            }
     model.set_top_k(model.cfg.top_k_max)  # the trained k (the end of the schedule)
     found = {
         "held_out_bytes": len(data),
@@ -247,11 +285,13 @@ def router_diagnostics(
         "swap_to_init_bits_per_byte": swap,
         "routing_entropy_nats": routing_entropy(model, data, seq_len),
         "uniform_entropy_nats": round(math.log(model.cfg.num_experts), 4),
-        "expert_load": expert_load(model, data, seq_len),
+        "expert_load": load,
     }
     if plain:
         found["plain_routing_bits_per_byte"] = plain
         found["plain_routing_choices_changed"] = choices_changed(model, data, seq_len, ks)
+    if fixed:
+        found["fixed_hyper_expert_bits_per_byte"] = fixed
     return found
 
 

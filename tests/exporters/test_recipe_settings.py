@@ -150,6 +150,36 @@ def test_plain_routing_delta_is_what_the_mixing_adds() -> None:
     )
 
 
+def hypermoe_model() -> MemTransformerLM:
+    """graph_model's HyperMoE at k = 1, its generator scaled so that the HyperExpert's output matters (the
+    released init makes it ~1e-4)."""
+    model = graph_model("hypermoe", top_k_min=1, top_k_max=1)
+    with torch.no_grad():
+        for weight in diagnostics.hypermoe_layers(model)[0]._generator[0].decoder.parameters():
+            weight.mul_(1000)
+    return model
+
+
+def test_fixed_hyper_expert_delta_is_what_the_selection_adds() -> None:
+    """With every expert embedding zero the HyperExpert sees the same input whatever a token selected:
+    fixing it costs nothing. Otherwise it does, and the patch is undone."""
+    inert = hypermoe_model()
+    with torch.no_grad():
+        for ff in diagnostics.hypermoe_layers(inert):
+            ff.n_experts_embedding.weight.zero_()
+    found = diagnostics.router_diagnostics(inert, inert, DATA, 32, [1])
+    assert found["fixed_hyper_expert_bits_per_byte"]["1"]["delta"] == 0
+    live = hypermoe_model()
+    found = diagnostics.router_diagnostics(live, live, DATA, 32, [1])
+    cell = found["fixed_hyper_expert_bits_per_byte"]["1"]
+    assert abs(cell["delta"]) > 1e-3 and cell["trained"] == found["swap_to_init_bits_per_byte"]["1"]["trained"]
+    assert all("hyper_expert" not in vars(ff) for ff in diagnostics.hypermoe_layers(live))
+    assert diagnostics.bits_per_byte(live, DATA, 32) == pytest.approx(cell["trained"], abs=1e-4)
+    assert "fixed_hyper_expert_bits_per_byte" not in diagnostics.router_diagnostics(
+        graph_model("smoe"), graph_model("smoe"), DATA, 32, [2]
+    )
+
+
 def released_switch_losses(logits: list[torch.Tensor], chosen: list[torch.Tensor]) -> tuple[float, float]:
     """The released code's functions, as written there, on its [batch, tokens of every layer, N] layout."""
     router_logits = torch.cat([x.transpose(0, 1) for x in logits], dim=1)  # [B, L * T, N]
