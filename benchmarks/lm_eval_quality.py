@@ -25,8 +25,8 @@ def evaluate(url: str, model: str, tasks_dir: Path) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    # The demos have no BOS or EOS: a newline is the prefix that scores a document's first byte.
-    args = f"model={model},base_url={url}/v1/completions,max_length=1024,num_concurrent=4,custom_prefix_token_id=10"
+    # No prefix option: lm-eval takes the BOS that /tokenizer_info names to score a document's first byte.
+    args = f"model={model},base_url={url}/v1/completions,max_length=1024,num_concurrent=4"
     manager = TaskManager(include_path=str(tasks_dir))
     results = lm_eval.simple_evaluate(
         model="local-completions", model_args=args, tasks=list(TASKS), task_manager=manager, log_samples=False

@@ -83,11 +83,11 @@ RECIPES = {
     # those weights (held-out text, per layer) S_ii is 0.75-0.81 at tau = 16, 0.38-0.42 at tau = 32 and
     # 0.14-0.16 at tau = 64. Three seeds at d / 4 = 32 (training-time figures, 64 KiB of the held-out
     # plays): plain routing changed 51-56% of the top-2 sets but cost only +0.0078, +0.0121 and +0.0103
-    # bits per byte at k = 2, about one seed std of the model's own bits per byte (2.434-2.455), so the
-    # mixing did not clearly matter. At d / 2 = 64 it does (seeds 0-2, same figures): plain routing changes
-    # 63-72% of the top-2 sets and costs +0.116, +0.085 and +0.073 bits per byte at k = 2, about ten seed
-    # stds, for a model 0.04 bits per byte worse than at d / 4 (2.482-2.498). (The paper's Table 9
-    # ablates tau in 0.1, 1, 2 and sqrt(d) on its own input scale.)
+    # bits per byte at k = 2, under three seed stds of the model's own bits per byte (the demos' held-out
+    # evaluation: 2.408 +- 0.004), so the mixing did not clearly matter. At d / 2 = 64 it does (same
+    # figures): plain routing changes 63-72% of the top-2 sets and costs +0.116, +0.085 and +0.073 bits per
+    # byte at k = 2, against a seed std of 0.003 (2.459 +- 0.003), for a model 0.05 bits per byte worse
+    # than at d / 4. (The paper's Table 9 ablates tau in 0.1, 1, 2 and sqrt(d) on its own input scale.)
     "similarity-lm": Recipe("lm", "similarity", 1500, 16, 128, 2e-3, {**GRAPH_K, "graph_tau": 128 / 2}),
     "attention-lm": Recipe("lm", "attention", 1500, 16, 128, 2e-3, GRAPH_K),
     "dense-lm": Recipe("lm", "dense", 1500, 16, 128, 2e-3),

@@ -101,7 +101,7 @@ def test_openai_streaming_chat_equals_the_whole_reply(client: openai.OpenAI) -> 
 
 def test_a_reply_ends_at_the_chat_stop_unless_the_request_sets_its_own(client: openai.OpenAI, base_url: str) -> None:
     info = httpx.get(base_url.removesuffix("/v1") + "/tokenizer_info", params={"model": "shakespeare-smoe"}).json()
-    assert info["chat_stop"] == list(play_chat.STOP) and info["chat_template"] == play_chat.TEMPLATE
+    assert info["chat_stop"] == list(play_chat.STOP) and info["chat_template"] == play_chat.BOS + play_chat.TEMPLATE
     kwargs = dict(model="shakespeare-smoe", messages=MESSAGES, max_tokens=64, temperature=0.8)
     # A seed whose reply ends by itself (a seed reproduces its tokens, whatever `stop` says).
     for seed in range(32):

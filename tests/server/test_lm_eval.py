@@ -1,16 +1,14 @@
 """lm-evaluation-harness, unchanged, against a real moe-serve server: a multiple-choice (loglikelihood), a
 rolling-perplexity and a generation task on held-out Shakespeare, the tokenizer taken from the server's
-/tokenize, and k chosen per run through the model name."""
+/tokenize, and k chosen per run through the model name. No model option beyond the server's address: the demos
+have BOS, which lm-eval reads from /tokenizer_info and puts before a rolling window's first byte."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 from moe_serve.config import EngineConfig
 from moe_serve.evaluation.lm_eval_tasks import TASKS, write_tasks
-from moe_serve.registry import resolve_model
 from moe_serve.server.settings import ServerSettings
 from tests.server.conftest import start_server
 
@@ -20,18 +18,10 @@ pytestmark = pytest.mark.slow
 DOCS = 12
 
 
-def prefix_option(model: str) -> str:
-    """The demos bundled before issue 32 have no BOS or EOS: a newline is the prefix that scores a document's
-    first byte. A demo trained with them needs no option: lm-eval takes the BOS that /tokenizer_info names."""
-    config = json.loads((resolve_model(model.split(":")[0]) / "config.json").read_text())["model"]
-    return "" if config.get("bos_token_id") is not None else ",custom_prefix_token_id=10"
-
-
 def evaluate(url: str, model: str, include_path: str) -> dict:
     from lm_eval.tasks import TaskManager
 
     args = f"model={model},base_url={url}/v1/completions,max_length=1024,num_concurrent=4,max_retries=1"
-    args += prefix_option(model)
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=args,

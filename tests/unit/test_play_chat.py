@@ -24,6 +24,7 @@ CONVERSATION = [
     {"role": "assistant", "content": "The king doth wake tonight and takes his rouse."},
     {"role": "user", "content": [{"type": "text", "text": "Is it a custom?"}]},
 ]
+BOS = "<|endoftext|>"  # the demos' BOS: the template writes it first, as they were trained
 EXPECTED = (
     "Elsinore. A platform before the castle.\n"
     "\n"
@@ -57,7 +58,10 @@ def test_every_bundled_lm_carries_the_recipe_template(name: str) -> None:
 
 
 def test_conversation_renders_as_play_dialogue(llm: LLM) -> None:
-    assert render_chat(llm.engine.inputs, messages(CONVERSATION)) == EXPECTED
+    """After BOS: the demos were trained with it opening every window, and a chat prompt gets no other."""
+    rendered = render_chat(llm.engine.inputs, messages(CONVERSATION))
+    assert rendered == BOS + EXPECTED
+    assert llm.engine.inputs.tokenizer.encode_rendered(rendered)[:2] == [llm.config.bos_token_id, ord("E")]  # one token
 
 
 def test_transformers_renders_the_same_text() -> None:
@@ -65,11 +69,12 @@ def test_transformers_renders_the_same_text() -> None:
     from tokenizers import Tokenizer
 
     path = resolve_model("shakespeare-smoe") / "tokenizer.json"
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)))
+    template = json.loads((path.parent / "config.json").read_text())["model"]["chat_template"]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)), bos_token=BOS)
     plain = [m.for_template() for m in messages(CONVERSATION)]
-    render = lambda **kw: hf.apply_chat_template(plain, chat_template=play_chat.TEMPLATE, tokenize=False, **kw)
-    assert render(add_generation_prompt=True) == EXPECTED
-    assert render() == EXPECTED.removesuffix("HORATIO.\n")
+    render = lambda **kw: hf.apply_chat_template(plain, chat_template=template, tokenize=False, **kw)
+    assert render(add_generation_prompt=True) == BOS + EXPECTED
+    assert render() == BOS + EXPECTED.removesuffix("HORATIO.\n")
 
 
 def test_the_layout_is_the_training_texts() -> None:
@@ -88,7 +93,7 @@ def test_names_rename_speakers_and_the_reply_opens_for_the_assistants_name(llm: 
         {"role": "assistant", "content": "Here, my love.", "name": "Juliet"},
         {"role": "user", "content": "Good night.", "name": ""},
     ]
-    expected = "ROMEO.\nWherefore art thou?\n\nJULIET.\nHere, my love.\n\nHAMLET.\nGood night.\n\nJULIET.\n"
+    expected = BOS + "ROMEO.\nWherefore art thou?\n\nJULIET.\nHere, my love.\n\nHAMLET.\nGood night.\n\nJULIET.\n"
     assert render_chat(llm.engine.inputs, messages(raw)) == expected
 
 
