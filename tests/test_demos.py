@@ -9,7 +9,7 @@ import pytest
 from moe_serve import LLM, SamplingParams
 from moe_serve.evaluation.datasets.shakespeare import GENRES, passages, split
 from moe_serve.registry import bundled_models, resolve_model
-from recipes.build_demos import CLASSIFIERS, LANGUAGE_MODELS
+from recipes.build_demos import CLASSIFIERS, CONTROLS, LANGUAGE_MODELS
 
 
 def test_all_demos_are_bundled_and_small() -> None:
@@ -28,6 +28,30 @@ def test_all_demos_are_bundled_and_small() -> None:
             diagnostics = provenance["metrics"]["diagnostics"]  # the router learned: putting it back costs bits
             assert min(d["delta"] for d in diagnostics["swap_to_init_bits_per_byte"].values()) > 0.01, name
         assert resolve_model(name) == path
+
+
+def provenance(name: str) -> dict:
+    return json.loads((resolve_model(name) / "config.json").read_text())["provenance"]
+
+
+def test_every_recipe_records_three_seeds_controls_included() -> None:
+    """What `moe-serve eval --stored` prints: three seeds of every demo's recipe and of every control."""
+    for name in LANGUAGE_MODELS + CLASSIFIERS:
+        assert provenance(name)["seeds"]["seeds"] == [0, 1, 2], name
+    for control, (_, _, host) in CONTROLS.items():
+        assert provenance(host)["controls"][control]["seeds"] == [0, 1, 2], control
+
+
+@pytest.mark.parametrize("name", ["shakespeare-similarity", "shakespeare-attention"])
+def test_graph_demos_mixing_matters_beyond_the_seed_spread(name: str) -> None:
+    """At the trained k, every seed's plain-routing delta (the same weights, mixing off) exceeds three seed
+    standard deviations of the model's own bits per byte."""
+    seeds = provenance(name)["seeds"]
+    (k,) = seeds["trained_k"]
+    quality = next(q for q in seeds["quality"] if (q["k"], q["metric"]) == (k, "bits_per_byte"))
+    delta = next(d for d in seeds["diagnostics"] if (d["name"], d["k"]) == ("plain_routing_delta_bits_per_byte", k))
+    assert set(delta["values"]) == {"0", "1", "2"}
+    assert min(delta["values"].values()) > 3 * quality["std"], (delta, quality)
 
 
 @pytest.mark.slow

@@ -58,10 +58,11 @@ def test_every_bundled_lm_carries_the_recipe_template(name: str) -> None:
 
 
 def test_conversation_renders_as_play_dialogue(llm: LLM) -> None:
-    """After BOS: the demos were trained with it opening every window, and a chat prompt gets no other."""
+    """After BOS (one id, not its characters): the demos were trained with it opening every window, and a chat
+    prompt gets no other."""
     rendered = render_chat(llm.engine.inputs, messages(CONVERSATION))
     assert rendered == BOS + EXPECTED
-    assert llm.engine.inputs.tokenizer.encode_rendered(rendered)[:2] == [llm.config.bos_token_id, ord("E")]  # one token
+    assert llm.engine.inputs.tokenizer.encode_rendered(rendered)[:2] == [llm.config.bos_token_id, ord("E")]
 
 
 def test_transformers_renders_the_same_text() -> None:
