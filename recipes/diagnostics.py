@@ -235,6 +235,12 @@ def initial_routers(model: MemTransformerLM, initial: MemTransformerLM) -> Itera
             ff.gate.load_state_dict(state)
 
 
+def _delta(trained: float, name: str, served: float) -> dict[str, float]:
+    """One k of a same-weights test: the trained model's bits per byte, the other serving's (`name`), and
+    their difference."""
+    return {"trained": round(trained, 4), name: round(served, 4), "delta": round(served - trained, 4)}
+
+
 @torch.no_grad()
 def router_diagnostics(
     model: MemTransformerLM, initial: MemTransformerLM, held_out: torch.Tensor, seq_len: int, ks: list[int]
@@ -255,28 +261,13 @@ def router_diagnostics(
         model.set_top_k(k)
         trained = bits_per_byte(model, data, seq_len)
         with initial_routers(model, initial):
-            reset = bits_per_byte(model, data, seq_len)
-        swap[str(k)] = {
-            "trained": round(trained, 4),
-            "initial_router": round(reset, 4),
-            "delta": round(reset - trained, 4),
-        }
+            swap[str(k)] = _delta(trained, "initial_router", bits_per_byte(model, data, seq_len))
         if graph_layers(model):
             with plain_routing(model):
-                unmixed = bits_per_byte(model, data, seq_len)
-            plain[str(k)] = {
-                "trained": round(trained, 4),
-                "plain": round(unmixed, 4),
-                "delta": round(unmixed - trained, 4),
-            }
+                plain[str(k)] = _delta(trained, "plain", bits_per_byte(model, data, seq_len))
         if hypermoe_layers(model):
             with fixed_hyper_expert(model, load):
-                one_adapter = bits_per_byte(model, data, seq_len)
-            fixed[str(k)] = {
-                "trained": round(trained, 4),
-                "fixed": round(one_adapter, 4),
-                "delta": round(one_adapter - trained, 4),
-            }
+                fixed[str(k)] = _delta(trained, "fixed", bits_per_byte(model, data, seq_len))
     model.set_top_k(model.cfg.top_k_max)  # the trained k (the end of the schedule)
     found = {
         "held_out_bytes": len(data),
