@@ -256,16 +256,17 @@ def router_diagnostics(
         movement.append(layer)
     model.set_top_k(model.cfg.top_k_max)
     load = expert_load(model, data, seq_len)  # at the trained k
+    graph, hyper = bool(graph_layers(model)), bool(hypermoe_layers(model))
     swap, plain, fixed = {}, {}, {}
     for k in ks:
         model.set_top_k(k)
         trained = bits_per_byte(model, data, seq_len)
         with initial_routers(model, initial):
             swap[str(k)] = _delta(trained, "initial_router", bits_per_byte(model, data, seq_len))
-        if graph_layers(model):
+        if graph:
             with plain_routing(model):
                 plain[str(k)] = _delta(trained, "plain", bits_per_byte(model, data, seq_len))
-        if hypermoe_layers(model):
+        if hyper:
             with fixed_hyper_expert(model, load):
                 fixed[str(k)] = _delta(trained, "fixed", bits_per_byte(model, data, seq_len))
     model.set_top_k(model.cfg.top_k_max)  # the trained k (the end of the schedule)

@@ -12,26 +12,26 @@ from moe_serve.registry import bundled_models, resolve_model
 from recipes.build_demos import CLASSIFIERS, CONTROLS, LANGUAGE_MODELS
 
 
+def provenance(name: str) -> dict:
+    return json.loads((resolve_model(name) / "config.json").read_text())["provenance"]
+
+
 def test_all_demos_are_bundled_and_small() -> None:
     models = bundled_models()
     assert set(models) == set(LANGUAGE_MODELS + CLASSIFIERS)
     size = sum(f.stat().st_size for path in models.values() for f in path.iterdir())
     assert size <= 30 * 2**20, f"bundled models take {size / 2**20:.1f} MiB"
     for name, path in models.items():
-        provenance = json.loads((path / "config.json").read_text())["provenance"]
-        assert {"recipe", "command", "seed", "split", "metrics", "source_sha256"} <= set(provenance), name
+        recorded = provenance(name)
+        assert {"recipe", "command", "seed", "split", "metrics", "source_sha256"} <= set(recorded), name
         assert (path / "quality.json").is_file(), name
-        seeds = provenance["seeds"]  # every seed's figures; the bundled one is the best of them
-        assert seeds["seeds"] and seeds["bundled_seed"] == provenance["seed"] in seeds["seeds"], name
+        seeds = recorded["seeds"]  # every seed's figures; the bundled one is the best of them
+        assert seeds["seeds"] and seeds["bundled_seed"] == recorded["seed"] in seeds["seeds"], name
         assert all(set(cell["values"]) == {str(s) for s in seeds["seeds"]} for cell in seeds["quality"]), name
         if name in LANGUAGE_MODELS and name != "shakespeare-dense":
-            diagnostics = provenance["metrics"]["diagnostics"]  # the router learned: putting it back costs bits
+            diagnostics = recorded["metrics"]["diagnostics"]  # the router learned: putting it back costs bits
             assert min(d["delta"] for d in diagnostics["swap_to_init_bits_per_byte"].values()) > 0.01, name
         assert resolve_model(name) == path
-
-
-def provenance(name: str) -> dict:
-    return json.loads((resolve_model(name) / "config.json").read_text())["provenance"]
 
 
 def test_every_recipe_records_three_seeds_controls_included() -> None:
