@@ -113,6 +113,9 @@ def topk_route(
     if ext is not None:
         ids, weights = ext.topk_route(logits, token_k, max_k, int(weighting))
         return ids, weights
+    gpu = _cuda_kernels(logits)
+    if gpu is not None and logits.dtype == torch.float32:  # routers compute in fp32; any other: the torch ops
+        return gpu.routing.topk_route(logits, token_k, max_k, weighting)
     return topk_route_torch(logits, token_k, max_k, weighting)
 
 

@@ -118,6 +118,33 @@ def test_moe_row_result_does_not_depend_on_the_batch(dtype: torch.dtype) -> None
         assert torch.equal(alone[0], together[row])
 
 
+@pytest.mark.parametrize(
+    ("rows", "experts", "max_k", "weighting"),
+    [
+        (1, 8, 2, Weighting.SOFTMAX_CHOSEN),
+        (64, 8, 8, Weighting.SOFTMAX_ALL),
+        (300, 128, 8, Weighting.SOFTMAX_CHOSEN),
+        (7, 16, 16, Weighting.UNIFORM),
+    ],
+)
+def test_routing_kernels_match_the_torch_routing(rows: int, experts: int, max_k: int, weighting: Weighting) -> None:
+    """The routing kernels (moe_serve.kernels.cuda.routing): ids and the alignment integer for integer, weights
+    to fp32 rounding, every k from 0 to max k in one batch, ties included."""
+    from moe_serve.kernels import static_moe
+    from moe_serve.kernels.cuda import routing
+
+    logits = torch.randn(rows, experts, device=DEVICE)
+    logits[0, ::2] = 0.25  # ties: the lowest index first
+    token_k = torch.arange(rows, device=DEVICE) % (max_k + 1)
+    ids, weights = ops.topk_route(logits, token_k, max_k, weighting)
+    want_ids, want_weights = ops.topk_route_torch(logits, token_k, max_k, weighting)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    for block_m in (16, 64):
+        got, want = routing.align(ids, experts, block_m), static_moe.align(ids, experts, block_m)
+        assert torch.equal(got.sorted_slots, want.sorted_slots) and torch.equal(got.block_expert, want.block_expert)
+
+
 def test_routing_and_moe_make_no_host_sync() -> None:
     bank = cast_bank(random_bank(8, 256, 320, glu=True, bias=False), torch.bfloat16)
     x = torch.randn(16, 256, device=DEVICE, dtype=torch.bfloat16)

@@ -9,7 +9,12 @@ import os
 import pytest
 import triton
 
-MODULES = ["moe_serve.kernels.cuda.moe", "moe_serve.kernels.cuda.attention", "moe_serve.kernels.cuda.norm"]
+MODULES = [
+    "moe_serve.kernels.cuda.moe",
+    "moe_serve.kernels.cuda.attention",
+    "moe_serve.kernels.cuda.norm",
+    "moe_serve.kernels.cuda.routing",
+]
 H100_SHARED_MEMORY = 232448  # bytes a block may use: 227 KiB
 
 pytestmark = [

@@ -128,3 +128,18 @@ def test_the_gpu_phases_run_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path: Path
         "gpu_tests.log",
         "gpu_tests.xml",
     }
+
+
+@pytest.mark.slow
+def test_the_step_profile_runs_its_eager_part_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks.gpu_profile off a GPU: the tiny model's eager step periods and the profiler's table, written
+    to OUT (the graph replays and the A/B need CUDA)."""
+    command = [sys.executable, "-m", "benchmarks.gpu_profile", "--out", str(tmp_path), "--tokens", "4"]
+    command += ["--profile-tokens", "2"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "gpu_profile.txt").read_text()
+    assert "# gpu_profile: tiny on cpu" in text
+    for batch in (1, 4):
+        assert f"eager batch {batch} k=2: {{'steps': 4, 'step_period_ms': " in text
+    assert "## eager, batch 1, k=2, 2 tokens, by cpu_time_total" in text and "Self CPU time total" in text

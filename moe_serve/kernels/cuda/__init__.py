@@ -1,5 +1,6 @@
-"""The CUDA kernels: Triton programs for the ops in moe_serve.kernels.ops (MoE experts, paged attention,
-norms, rotary plus cache write), dispatched there for CUDA tensors as the C++ kernels are for CPU ones.
+"""The CUDA kernels: Triton programs for the ops in moe_serve.kernels.ops (MoE experts and their
+routing, paged attention, norms, rotary plus cache write), dispatched there for CUDA tensors as the C++
+kernels are for CPU ones.
 
 Nothing here syncs with the host: every shape a launch needs is static (the artifact's max k, the batch's
 token count), and what varies per row (its k, its sequence length) is read on the device.
@@ -48,6 +49,7 @@ class Kernels:
     moe: Any  # moe_serve.kernels.cuda.moe
     attention: Any  # moe_serve.kernels.cuda.attention
     norm: Any  # moe_serve.kernels.cuda.norm
+    routing: Any  # moe_serve.kernels.cuda.routing
 
 
 _kernels: Kernels | None = None
@@ -61,7 +63,7 @@ def kernels() -> Kernels | None:
     if not _decided:
         _decided = True
         if triton_available():
-            from moe_serve.kernels.cuda import attention, moe, norm
+            from moe_serve.kernels.cuda import attention, moe, norm, routing
 
-            _kernels = Kernels(moe, attention, norm)
+            _kernels = Kernels(moe, attention, norm, routing)
     return _kernels

@@ -1,7 +1,8 @@
 """The MoE experts as Triton kernels: ops.moe_experts for CUDA tensors, with static shapes and no host sync.
 
-The routing's slots are aligned by moe_serve.kernels.static_moe.align (a stable sort by expert, each group
-padded to whole blocks of BLOCK_M rows, in a capacity fixed by the shapes), then three launches:
+The routing's slots are aligned as moe_serve.kernels.static_moe.align defines (a stable sort by expert, each
+group padded to whole blocks of BLOCK_M rows, in a capacity fixed by the shapes; one launch for a decode
+step's slots: moe_serve.kernels.cuda.routing), then three launches:
 
 1. gate/up: per block, its rows' tokens times its expert's w1 (and w3), biases and the activation fused,
    into the intermediate of each slot [S, I] (x's dtype);
@@ -35,8 +36,8 @@ import triton
 import triton.language as tl
 
 from moe_serve.kernels.cuda import CompileSpec, interpreting
+from moe_serve.kernels.cuda.routing import align
 from moe_serve.kernels.ops import ACTIVATION_IDS, ExpertWeights
-from moe_serve.kernels.static_moe import align
 
 # ---- kernels ----------------------------------------------------------------------------------------
 
