@@ -131,6 +131,9 @@ def test_the_gpu_phases_run_end_to_end_on_a_tiny_model_on_the_cpu(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    gpu_check.shutil.which("nvidia-smi") is not None, reason="with a GPU the profile runs the large model on CUDA"
+)
 def test_the_step_profile_runs_its_eager_part_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks.gpu_profile off a GPU: the tiny model's eager step periods and the profiler's table, written
     to OUT (the graph replays and the A/B need CUDA)."""

@@ -15,6 +15,7 @@ from moe_serve.errors import ConfigError, ValidationError
 from moe_serve.evaluation.datasets.shakespeare import markdown_to_text
 from moe_serve.model_config import ModelConfig
 from moe_serve.registry import resolve_model
+from moe_serve.tokenizer import END_OF_TEXT
 from recipes import play_chat
 from recipes.build_demos import LANGUAGE_MODELS
 
@@ -24,7 +25,7 @@ CONVERSATION = [
     {"role": "assistant", "content": "The king doth wake tonight and takes his rouse."},
     {"role": "user", "content": [{"type": "text", "text": "Is it a custom?"}]},
 ]
-BOS = "<|endoftext|>"  # the demos' BOS: the template writes it first, as they were trained
+BOS = END_OF_TEXT  # the demos' BOS: the template writes it first, as they were trained
 EXPECTED = (
     "Elsinore. A platform before the castle.\n"
     "\n"
