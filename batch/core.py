@@ -38,8 +38,9 @@ class LineModels(Protocol):
 
     limits: RequestLimits
 
-    def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:
-        """The model a line runs on (its name in responses, its engine); raises LineError or MoEServeError."""
+    def resolve(self, request: p.ModelRequest, item: BatchItem) -> tuple[str, AsyncEngine, p.ModelRequest]:
+        """The model a line runs on (its name in responses, its engine) and the request as it serves it (a
+        `name:k<k>` model fixes experts_per_token in a copy); raises LineError or MoEServeError."""
         ...
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
@@ -67,7 +68,7 @@ async def answer(models: LineModels, item: BatchItem) -> LineResult:
         request = REQUEST_MODELS[item.url].model_validate(body)
         if getattr(request, "stream", False):
             raise ValidationError("stream is not supported in a batch: a line's answer is one body", parameter="stream")
-        name, engine = models.resolve(request, item)
+        name, engine, request = models.resolve(request, item)
         return await _run(models, name, engine, item, request)
     except (EngineOverloadedError, EngineStoppedError):
         raise

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
+from moe_serve.api import protocol as p
 from moe_serve.api.errors import ApiError
 from moe_serve.batch.core import LineError, answer, error_result, run_items
 from moe_serve.batch.jsonl import BatchItem, LineResult, append, completed_ids, error_line, read_inputs
@@ -54,12 +55,12 @@ class EnginePool:
             self._engines[name] = AsyncEngine.start(load_servable(name, self.engine_config), self.engine_config)
         return self._engines[name]
 
-    def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:
+    def resolve(self, request: p.ModelRequest, item: BatchItem) -> tuple[str, AsyncEngine, p.ModelRequest]:
         if item.model is None:
             message = "model is required (in the body or with --model)"
             raise LineError(ApiError(400, message, "invalid_request_error", "model"))
         try:
-            return item.model, self.get(item.model)
+            return item.model, self.get(item.model), request
         except MoEServeError as exc:
             raise LineError(ApiError(404, str(exc), "not_found_error", "model")) from None
 

@@ -1,4 +1,4 @@
-"""The decode step with and without the C++ decode stack (moe_serve.models.decode_stack), A/B: two engines on
+"""The decode step with and without the C++ decode stack (moe_serve.engine.decode_stack), A/B: two engines on
 the same model, each with one sequence decoding at batch 1, take turns for `--rounds` rounds of `--steps` steps;
 the median ms per step of each, and their difference (the host glue the stack removes).
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_check import MODELS, QUICK, BenchSettings, build_hf, make_llm, prompts, timed_generate, to_artifact
+from moe_serve.kernels import reference
 
 ROWS = 22
 
@@ -87,15 +88,15 @@ def profile_table(llm: Any, batch_prompts: list[list[int]], sort_by: str, new_to
 
 def before_routing_kernels() -> contextlib.ExitStack:
     """The routing as the first GPU run measured it (benchmarks/results/gpu-check-h100-2026-11-27a.md): plain
-    torch ops (ops.topk_route_torch, static_moe.align) instead of moe_serve.kernels.cuda.routing. Patched for
+    torch ops (reference.topk_route_torch, static_moe.align) instead of moe_serve.kernels.cuda.routing. Patched for
     the A/B only, on the same machine in the same run."""
     from unittest import mock
 
-    from moe_serve.kernels import ops, static_moe
+    from moe_serve.kernels import static_moe
     from moe_serve.kernels.cuda import moe, routing
 
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(routing, "topk_route", ops.topk_route_torch))
+    stack.enter_context(mock.patch.object(routing, "topk_route", reference.topk_route_torch))
     stack.enter_context(mock.patch.object(moe, "align", static_moe.align))
     return stack
 

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from benchmarks.bandwidth import CopyMeter
 from moe_serve.kernels import ops
 from moe_serve.kernels.packed import PackedWeight, WeightFormat, quantize
+from moe_serve.kernels.vocabulary import ExpertWeights, Weight, float_weight
 
 FORMATS = (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
 HIDDEN, INTERMEDIATE, EXPERTS, VOCAB, TOP_K = 1024, 1024, 16, 32000, 2
@@ -42,11 +43,11 @@ EVICT_BYTES = 256 * 2**20  # what the copies of a weight add up to at least: sev
 LINEAR_SHAPES = {"lm_head": (VOCAB, HIDDEN), "proj": (HIDDEN, HIDDEN)}
 
 
-def packed(weight: torch.Tensor, fmt: WeightFormat) -> ops.Weight:
+def packed(weight: torch.Tensor, fmt: WeightFormat) -> Weight:
     return weight.clone() if fmt is WeightFormat.FP32 else quantize(weight, fmt)
 
 
-def copy_of(weight: ops.Weight) -> ops.Weight:
+def copy_of(weight: Weight) -> Weight:
     """Another copy in memory (the same values)."""
     if isinstance(weight, torch.Tensor):
         return weight.clone()
@@ -71,7 +72,7 @@ def copies_for(nbytes: int) -> int:
     return max(2, math.ceil(EVICT_BYTES / nbytes))
 
 
-def rotating_linear(x: torch.Tensor, weights: Sequence[ops.Weight], i: int) -> torch.Tensor:
+def rotating_linear(x: torch.Tensor, weights: Sequence[Weight], i: int) -> torch.Tensor:
     return ops.linear(x, weights[i % len(weights)])
 
 
@@ -98,7 +99,7 @@ def moe_row(fmt: WeightFormat, reps: int) -> dict:
     parts = [packed(w, fmt) for w in (w1, w2, w3)]
     whole = sum(w.nbytes for w in parts)
     banks = [
-        ops.ExpertWeights(copy_of(parts[0]), copy_of(parts[1]), "silu", w3=copy_of(parts[2]))
+        ExpertWeights(copy_of(parts[0]), copy_of(parts[1]), "silu", w3=copy_of(parts[2]))
         for _ in range(copies_for(whole))
     ]
     pairs = [torch.tensor([[e, e + 1]]) for e in range(0, EXPERTS, TOP_K)]  # each expert once per round
@@ -114,9 +115,9 @@ def moe_row(fmt: WeightFormat, reps: int) -> dict:
     return {"op": "moe_experts T=1 k=2", "format": fmt.value, "seconds": median_seconds(call, reps), "bytes": per_call}
 
 
-def mkl_linear(x: torch.Tensor, weight: ops.Weight, _: int) -> torch.Tensor:
+def mkl_linear(x: torch.Tensor, weight: Weight, _: int) -> torch.Tensor:
     """F.linear (MKL) on the weight as an fp32 tensor: a packed one dequantized first, in the timing."""
-    return F.linear(x, ops.float_weight(weight, torch.float32))
+    return F.linear(x, float_weight(weight, torch.float32))
 
 
 def prefill_rows(reps: int) -> list[str]:

@@ -7,7 +7,7 @@ building, sampling, detokenizing. Then the same steps run with every C++ kernel 
     python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2] [--weights int4]
 
 The profile runs the Python layers (the kernel calls are theirs); then the same steps run with the C++ decode
-stack (moe_serve.models.decode_stack), which calls the same kernels from C++: its step time less the kernels'
+stack (moe_serve.engine.decode_stack), which calls the same kernels from C++: its step time less the kernels'
 time is the host time left.
 """
 

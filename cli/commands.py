@@ -20,7 +20,7 @@ from moe_serve.sampling_params import SamplingParams
 
 def serve(args: argparse.Namespace) -> int:
     from moe_serve.server.app import create_app
-    from moe_serve.server.lifecycle import build_server
+    from moe_serve.server.http_server import build_server
     from moe_serve.server.settings import ServerSettings
 
     settings = from_options(

@@ -31,7 +31,7 @@ from moe_serve.exporters.base import (
     read_json,
     write,
 )
-from moe_serve.layers.norm import NormKind
+from moe_serve.model_config import NormKind
 from moe_serve.layers.routers import RouterConfig, router_config
 from moe_serve.model_config import (
     MAX_POSITIONS,

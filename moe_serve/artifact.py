@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,11 +30,6 @@ from moe_serve.models import MoETransformer
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.weights import MANIFEST_KEY, WeightsSpec, expected_tensors, install, pack, packable_weights
-
-if TYPE_CHECKING:  # the engine imports this module; the artifact names its types only to make a runner
-    from moe_serve.config import EngineConfig
-    from moe_serve.engine.kv_cache import CacheShape
-    from moe_serve.engine.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +70,6 @@ class Artifact:
     @property
     def weight_format(self) -> str | None:
         return self.weights.format.value if self.weights is not None else None
-
-    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
-        # Imported here: the artifact is read and written without an engine (exporters, `moe-serve inspect`).
-        from moe_serve.engine.model_runner import TorchRunner
-
-        return TorchRunner(self.model, device, cache_shape, self.dtype, engine_config)
 
 
 def sha256_file(path: Path) -> str:

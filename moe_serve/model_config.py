@@ -13,14 +13,14 @@ from typing import Any, Literal
 
 from moe_serve.config_schema import build, check_choice, check_float, check_size, to_jsonable
 from moe_serve.errors import ConfigError
-from moe_serve.layers.norm import NormKind
-from moe_serve.layers.routers import RouterConfig, router_class
 from moe_serve.moe_policy import KSpec
+from moe_serve.router_registry import RouterConfig, router_class
 from moe_serve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 Task = Literal["causal_lm", "sequence_classification"]
 PositionKind = Literal["learned", "rotary", "relative"]
 NormPosition = Literal["pre", "post"]
+NormKind = Literal["layernorm", "rmsnorm"]
 ExpertKind = Literal["mlp", "glu", "adapter"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swigluoai"]
 Pooling = Literal["mean", "first", "last"]
@@ -52,7 +52,7 @@ class FFNConfig:
     adapter: act(x Wdown^T + bdown) Wup^T (+ bup)    (bottleneck adapter, SMEAR / HyperMoE style)
 
     Activation swigluoai (gpt-oss, glu only) is defined on the pair: g = min(x Wg^T + bg, swiglu_limit),
-    g * sigmoid(swiglu_alpha g) * (clamp(x Wu^T + bu, -swiglu_limit, swiglu_limit) + 1) (ops.glu).
+    g * sigmoid(swiglu_alpha g) * (clamp(x Wu^T + bu, -swiglu_limit, swiglu_limit) + 1) (vocabulary.glu).
     """
 
     kind: ExpertKind

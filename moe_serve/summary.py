@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.artifact import expected_tensors, read_manifest, weights_spec
-from moe_serve.layers.routers import router_class
+from moe_serve.router_registry import router_class
 
 
 def summarize(path: Path) -> dict[str, Any]:

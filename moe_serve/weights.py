@@ -31,8 +31,8 @@ from moe_serve.kernels.packed import (
     quantize,
 )
 from moe_serve.layers.ffn import linear_shapes
-from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
+from moe_serve.router_registry import router_class
 
 MANIFEST_KEY = "weights"
 

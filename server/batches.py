@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
 from moe_serve.api import batches as b
+from moe_serve.api import protocol as p
 from moe_serve.batch.jobs import COMPLETION_WINDOWS, BatchJobs, JobConfig
 from moe_serve.batch.jsonl import BatchItem
 from moe_serve.batch.store import DATABASE, BatchRecord, FileRecord, Store, storage_error
@@ -44,9 +45,9 @@ class ServedModels:
         self.ctx = ctx
         self.limits = ctx.settings.limits
 
-    def resolve(self, request: Any, item: BatchItem) -> tuple[str, AsyncEngine]:
-        served = self.ctx.resolve(request)
-        return served.name, served.engine
+    def resolve(self, request: p.ModelRequest, item: BatchItem) -> tuple[str, AsyncEngine, p.ModelRequest]:
+        served, request = self.ctx.resolve(request)
+        return served.name, served.engine, request
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.ctx.prepare(fn, *args)

@@ -1,5 +1,5 @@
 """Plain-ASGI middleware (so handlers still see client disconnects), outermost first: the connection limit
-(around the application, installed by server.lifecycle.build_server), request id + access log + request
+(around the application, installed by server.http_server.build_server), request id + access log + request
 counter, admission (draining, concurrency limit), API key, body size limit."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
@@ -20,11 +19,9 @@ from uvicorn.server import ServerState
 
 from moe_serve.api.errors import ApiError, api_error
 from moe_serve.errors import ClientDisconnectedError
+from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.metrics import Metrics
 from moe_serve.server.settings import OPEN_PATHS, is_api_path, is_interactive_path
-
-if TYPE_CHECKING:
-    from moe_serve.server.lifecycle import Lifecycle  # which builds the server around these
 
 access_log = logging.getLogger("moe_serve.access")
 logger = logging.getLogger("moe_serve.server")

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -118,20 +118,21 @@ class ServingContext:
             return first
         raise ValidationError("model is required: the served models do not share one tokenizer", parameter="model")
 
-    def resolve(self, request: Any) -> ServedModel:
-        """The model of an API request; a `name:k<k>` name sets the request's experts_per_token (a different
-        experts_per_token in the same request is a 400)."""
+    def resolve(self, request: p.ModelRequest) -> tuple[ServedModel, p.ModelRequest]:
+        """The model of an API request, and the request as that model serves it: a `name:k<k>` name fixes
+        experts_per_token (a copy of the request with it set; a different experts_per_token in the same
+        request is a 400). The request itself is never changed."""
         name, k = split_k_suffix(request.model, self.models)
         served = self.model(name)
-        if k is not None:
-            if request.experts_per_token not in (None, k):
-                raise ValidationError(
-                    f"model '{request.model}' fixes experts_per_token to {k}, but the request asks for "
-                    f"{request.experts_per_token}",
-                    parameter="experts_per_token",
-                )
-            request.experts_per_token = k
-        return served
+        if k is None:
+            return served, request
+        if request.experts_per_token not in (None, k):
+            raise ValidationError(
+                f"model '{request.model}' fixes experts_per_token to {k}, but the request asks for "
+                f"{request.experts_per_token}",
+                parameter="experts_per_token",
+            )
+        return served, request.model_copy(update={"experts_per_token": k})
 
 
 def split_k_suffix(name: str | None, served: dict[str, ServedModel]) -> tuple[str | None, int | None]:
@@ -183,7 +184,7 @@ async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[
 
 
 async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
-    served = ctx.resolve(request)
+    served, request = ctx.resolve(request)
     job = await ctx.prepare(prepare_completion, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     # Admitted (or refused: 429, 503) before a response starts.
@@ -192,7 +193,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
     if request.stream:
         tokenizer, sent = served.artifact.tokenizer, collections.Counter()
 
-        def choice(prompt_index: int, update: SequenceUpdate) -> dict:
+        def choice(prompt_index: int, update: SequenceUpdate) -> p.CompletionChunkChoice:
             key = (prompt_index, update.index)
             chunk = responses.completion_chunk_choice(tokenizer, job, prompt_index, update, sent[key])
             sent[key] += len(update.text_delta)
@@ -214,7 +215,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
 
 
 async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest, http: Request) -> Any:
-    served = ctx.resolve(request)
+    served, request = ctx.resolve(request)
     job = await ctx.prepare(prepare_chat, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
@@ -242,25 +243,27 @@ def _event_stream(
     endpoint: str,
     options: p.StreamOptions | None,
     state: Any,
-    choice: Any,
-    first: list | None = None,
+    choice: Callable[[int, SequenceUpdate], p.CompletionChunkChoice | p.ChatChunkChoice],
+    first: list[p.ChatChunkChoice] | None = None,
     model: str | None = None,
 ) -> StreamingResponse:
     """SSE for a generation job: a chunk per completion update (choice(prompt index, update) builds its
     choice), usage when asked, errors in-band once the response has started, then [DONE]."""
-    kind = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
-    header = responses.chunk_header(model or served.name, kind)  # the model as the client named it
+    kind: Literal["text_completion", "chat.completion.chunk"] = (
+        "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+    )
+    header = responses.StreamHeader.new(model or served.name, kind)  # the model as the client named it
 
     async def events() -> AsyncIterator[str]:
         if first:
-            yield _sse({**header, "choices": first})
+            yield _sse(header.chunk(first).wire())
         completion_tokens, experts, label = 0, ExpertCounts(), k_label(job.reported_k, job.k)
         cached = 0  # prompt tokens the prefix cache served
         try:
             async for prompt_index, update in _merged(streams):
                 for u in update.updates:
                     completion_tokens += len(u.token_ids)
-                    yield _sse({**header, "choices": [choice(prompt_index, u)]})
+                    yield _sse(header.chunk([choice(prompt_index, u)]).wire())
                 if update.finished:
                     prompt_tokens = len(job.requests[prompt_index].prompt_token_ids)
                     ctx.metrics.record_generation(served.name, endpoint, label, prompt_tokens, update.metrics)
@@ -276,7 +279,7 @@ def _event_stream(
                     experts=experts,
                     cached_tokens=cached,
                 )
-                yield _sse({**header, "choices": [], "usage": usage.model_dump()})
+                yield _sse(header.chunk([], usage).wire())
         except Exception as exc:  # headers are gone: report in-band, then close the stream
             yield _sse(api_error(exc).body())
         finally:
@@ -292,7 +295,7 @@ def _event_stream(
 
 
 async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> Any:
-    served = ctx.resolve(request)
+    served, request = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
     _annotate(http.state, served.name, label, job.prompt_tokens)
@@ -304,7 +307,7 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> Any:
-    served = ctx.resolve(request)
+    served, request = ctx.resolve(request)
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
     _annotate(http.state, served.name, label, job.prompt_tokens)

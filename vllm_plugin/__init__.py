@@ -27,7 +27,6 @@ for per-request data, vllm#29277; its V2 runner, the GPU build's default, asks t
 
 from __future__ import annotations
 
-ARCHITECTURE = "MoeServeForCausalLM"
 _registered = False
 
 
@@ -41,6 +40,6 @@ def register() -> None:
 
     from moe_serve.vllm_plugin import config, requests
 
-    ModelRegistry.register_model(ARCHITECTURE, "moe_serve.vllm_plugin.model:MoeServeForCausalLM")
+    ModelRegistry.register_model(config.ARCHITECTURE, "moe_serve.vllm_plugin.model:MoeServeForCausalLM")
     config.register()
     requests.register()

@@ -17,12 +17,13 @@ from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, check_checksums, check
 from moe_serve.engine.kv_cache import router_state_sizes
 from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
-from moe_serve.vllm_plugin import ARCHITECTURE
 from moe_serve.vllm_plugin.parallel import Shards
 from moe_serve.vllm_plugin.parallel import problems as parallel_problems
 from moe_serve.weights import packed_refusal
 
 logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "MoeServeForCausalLM"  # what vLLM's registry knows an artifact by (its config's architectures)
 
 MODEL_TYPE = "moe_serve"
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py) take these head sizes.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -18,9 +18,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
+    model_serializer,
     model_validator,
 )
 
@@ -347,6 +349,11 @@ class DetokenizeRequest(_Request):
     tokens: Annotated[list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
+# A request that names a model and a k (what a `name:k<k>` model name applies to), as one type variable: a
+# function that resolves one hands back the same request class.
+ModelRequest = TypeVar("ModelRequest", CompletionRequest, ChatCompletionRequest, ClassifyRequest, ScoreRequest)
+
+
 # ---- responses ----------------------------------------------------------------------------------
 
 
@@ -440,6 +447,60 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+# ---- streamed chunks (server-sent events) ---------------------------------------------------------
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to a choice's message: the role once (the stream's first chunk), then content. An
+    absent part is left out of the chunk, as OpenAI's deltas do."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class StreamChunk(BaseModel):
+    """What every chunk of one stream shares; `usage` is carried by the last chunk only, when asked for
+    (stream_options.include_usage), and left out of the others."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    usage: Usage | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The chunk as sent."""
+        return self.model_dump(exclude=None if self.usage is not None else {"usage"})
+
+
+class CompletionChunk(StreamChunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChunkChoice]
+
+
+class ChatCompletionChunk(StreamChunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
 
 
 class Classification(BaseModel):

@@ -8,7 +8,8 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 from moe_serve.api import protocol as p
 from moe_serve.api.prepare import GenerationJob, PoolingJob
@@ -233,35 +234,54 @@ def score_response(model: str, job: PoolingJob, results: list[ScoreOutput]) -> p
 
 def completion_chunk_choice(
     tokenizer: Tokenizer, job: GenerationJob, prompt_index: int, update: SequenceUpdate, offset: int
-) -> dict[str, Any]:
+) -> p.CompletionChunkChoice:
     """`offset`: the length of the text this choice's earlier chunks carried."""
     logprobs = completion_logprobs(
         tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs, offset
     )
-    return {
-        "index": prompt_index * job.params.n + update.index,
-        "text": update.text_delta,
-        "logprobs": logprobs.model_dump() if logprobs else None,
-        "finish_reason": update.finish_reason,
-    }
+    return p.CompletionChunkChoice(
+        index=prompt_index * job.params.n + update.index,
+        text=update.text_delta,
+        logprobs=logprobs,
+        finish_reason=update.finish_reason,
+    )
 
 
-def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> dict[str, Any]:
+def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> p.ChatChunkChoice:
     logprobs = chat_logprobs(tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
-    return {
-        "index": update.index,
-        "delta": {"content": update.text_delta},
-        "logprobs": logprobs.model_dump() if logprobs else None,
-        "finish_reason": update.finish_reason,
-    }
+    return p.ChatChunkChoice(
+        index=update.index,
+        delta=p.ChatDelta(content=update.text_delta),
+        logprobs=logprobs,
+        finish_reason=update.finish_reason,
+    )
 
 
-def chat_role_choices(n: int) -> list[dict[str, Any]]:
+def chat_role_choices(n: int) -> list[p.ChatChunkChoice]:
     """The first chunk of a chat stream: each choice's role."""
-    return [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(n)]
+    return [
+        p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""), finish_reason=None)
+        for i in range(n)
+    ]
 
 
-def chunk_header(model: str, kind: str) -> dict[str, Any]:
-    """The fields every chunk of one stream shares; kind is "text_completion" or "chat.completion.chunk"."""
-    prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
+@dataclass(frozen=True, slots=True)
+class StreamHeader:
+    """What every chunk of one stream shares: its kind, the model as the client named it, one id and one
+    created time."""
+
+    kind: Literal["text_completion", "chat.completion.chunk"]
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, model: str, kind: Literal["text_completion", "chat.completion.chunk"]) -> StreamHeader:
+        prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def chunk(
+        self, choices: Sequence[p.CompletionChunkChoice | p.ChatChunkChoice], usage: p.Usage | None = None
+    ) -> p.StreamChunk:
+        chunk_class = p.CompletionChunk if self.kind == "text_completion" else p.ChatCompletionChunk
+        return chunk_class(id=self.id, created=self.created, model=self.model, choices=list(choices), usage=usage)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.step_costs import ema
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import KSpec
@@ -168,7 +168,7 @@ class AutoKClock:
             self._idle_since = self._last_step_end = None
         for item in scheduled:
             if item.seq.k_spec.auto:
-                item.seq.k_spec = KSpec.auto_at(self.controller.current_k)
+                item.k_spec = KSpec.auto_at(self.controller.current_k)
 
     def end_step(
         self,

@@ -31,14 +31,14 @@ import torch
 
 from moe_serve.engine.kv_cache import KVCache, router_state_sizes
 from moe_serve.engine.runner import StepResult
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.kernels import cuda
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
-from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
+from moe_serve.router_registry import router_class
 
 _CAPTURE_LOCK = threading.Lock()
 
@@ -216,7 +216,7 @@ class DecodeGraphs:
             a["positions"][i] = position
             a["slot_mapping"][i] = table[position // bs] * bs + position % bs
             a["num_keys"][i] = item.end
-            spec = seq.k_spec
+            spec = item.k_spec
             a["token_k"][i] = spec.k
             a["min_k"][i] = spec.lowest if spec.adaptive else spec.k
             a["cut"][i] = spec.cut if spec.adaptive else np.inf

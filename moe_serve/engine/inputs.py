@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_serve.errors import ValidationError
-from moe_serve.layers.routers import router_class
 from moe_serve.model_config import ModelConfig
 from moe_serve.moe_policy import AUTO, KSpec, MoEPolicy
+from moe_serve.router_registry import router_class
 from moe_serve.sampling_params import SamplingParams
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.validation import check_int

@@ -1,4 +1,4 @@
-"""The paged KV cache: per layer, keys and values in fixed-size blocks (layout: kernels.ops.cache_shapes), or for
+"""The paged KV cache: per layer, keys and values in fixed-size blocks (layout: kernels.vocabulary.cache_shapes), or for
 a latent-attention model each token's latent (kernels.latent: kv_lora_rank + qk_rope_head_dim values per
 layer), plus the per-token state of stateful routers, block-aligned with the keys. The pool is sized once, from
 a memory budget in bytes, and never grows: what is allocated is what the budget allows, and no more.
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_serve.kernels.latent import LatentCache, latent_cache_shape
-from moe_serve.kernels.ops import cache_shapes
-from moe_serve.layers.routers import router_class
+from moe_serve.kernels.vocabulary import cache_shapes
 from moe_serve.model_config import ModelConfig
+from moe_serve.router_registry import router_class
 
 
 @dataclass(frozen=True, slots=True)

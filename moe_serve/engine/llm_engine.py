@@ -1,6 +1,7 @@
-"""The engine: requests in, one step at a time, results out. A step reads as three verbs: the scheduler
-picks (which sequences, how many tokens), the runner runs (one token-packed forward), the engine
-post-processes (sample, detokenize, stop, finish).
+"""The engine: requests in, one step at a time, results out. A step reads as four verbs: schedule (the
+scheduler picks which sequences and how many tokens, and the step's own decisions go into that plan: each
+"auto" sequence's k), execute (the runner's one token-packed forward), post-process (sample, detokenize,
+stop, finish) and observe (the step's time refits the scheduler's cost model and auto k's controller).
 
 Isolation: anything tied to one sequence (its sampling settings, its stop strings, its inputs) can only
 finish that sequence with an error; the step goes on for the others.
@@ -15,13 +16,15 @@ import torch
 
 from moe_serve.config import EngineConfig
 from moe_serve.engine.auto_k import AutoKClock, AutoKConfig, AutoKController
+from moe_serve.engine.backend import make_runner
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.detokenizer import IncrementalDetokenizer
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.kv_cache import bytes_per_token, cache_shape, router_state_sizes
 from moe_serve.engine.runner import LoadedModel, Runner, StepResult
-from moe_serve.engine.sampler import sample
-from moe_serve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.engine.sampler import Sampled, sample
+from moe_serve.engine.scheduler import Scheduler, SchedulerConfig
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import KSpec
@@ -46,7 +49,7 @@ class LLMEngine:
         if config.kv_cache_tokens is not None:
             budget = min(budget, config.kv_cache_tokens * bytes_per_token(self.model_config, dtype))
         shape = cache_shape(self.model_config, dtype, budget, config.block_size)
-        self.runner: Runner = artifact.make_runner(device, shape, config)
+        self.runner: Runner = make_runner(artifact, device, shape, config)
         self.cache_shape = shape
         self.blocks = BlockManager(
             shape.num_blocks, config.block_size, config.enable_prefix_caching, shape.layout.reaches
@@ -197,30 +200,48 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that changed (a token, a result, or finished)."""
-        output = self.scheduler.schedule()
+        output, started = self._schedule()
         if not output.scheduled:
             return []
+        result, failed = self._execute(output)
+        changed, sampled_at = self._post_process(output, result, failed)
+        self._observe(output, result, started, sampled_at, time.monotonic())
+        return changed
+
+    def _schedule(self) -> tuple[SchedulerOutput, float]:
+        """The step's plan and when it starts: which sequences, how many tokens, and the per-step decisions
+        written into the plan (the k of each "auto" sequence for this step, in its scheduled item)."""
+        output = self.scheduler.schedule()
         started = time.monotonic()
         for item in output.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = started
-        if self._auto_k_clock is not None:
+        if self._auto_k_clock is not None and output.scheduled:
             self._auto_k_clock.begin_step(started, output.scheduled)
-        result, failed = self._execute(output)
+        return output, started
+
+    def _post_process(
+        self, output: SchedulerOutput, result: StepResult, failed: list[tuple[ScheduledSequence, BaseException]]
+    ) -> tuple[list[Sequence], float]:
+        """What the step's results do to its sequences: experts counted, the scheduler told, failures
+        finished, next tokens sampled and appended (stops and lengths checked), scores and class
+        probabilities stored. -> the sequences that changed, and when the tokens were sampled."""
         for i, (tokens, per_layer) in result.experts.items():
-            output.scheduled[i].seq.add_experts(tokens, per_layer)
+            item = output.scheduled[i]
+            item.seq.add_experts(tokens, per_layer, item.k_spec.k)
         # A failed item's keys of this step may be unwritten: its blocks must not reach the prefix cache.
         self.scheduler.update(output, failed=[item.seq for item, _ in failed])
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
-        sampled = sample(result.logits, samples, self.eos_token_ids) if samples else None  # type: ignore[arg-type]
+        sampled = sample(result.logits, samples, self.eos_token_ids)
         now = time.monotonic()
-        for position, i in enumerate(result.sample_items):
-            seq = output.scheduled[i].seq
-            if sampled.errors.get(position) is not None:  # type: ignore[union-attr]
-                changed.append(self._fail(seq, sampled.errors[position]))  # type: ignore[union-attr]
+        for row, seq in enumerate(samples):
+            error = sampled.errors.get(row)
+            token = sampled.token_ids[row]
+            if error is not None or token is None:
+                changed.append(self._fail(seq, error or RuntimeError("no token was sampled")))
                 continue
-            self._append(seq, sampled.token_ids[position], sampled, position, now)  # type: ignore[union-attr,arg-type]
+            self._append(seq, token, sampled, row, now)
             changed.append(seq)
         for i, values in result.prompt_logprobs.items():
             seq = output.scheduled[i].seq
@@ -234,12 +255,16 @@ class LLMEngine:
             seq.class_probs = probs
             self._finish(seq, "stop")
             changed.append(seq)
-        ended = time.monotonic()
+        return changed, now
+
+    def _observe(
+        self, output: SchedulerOutput, result: StepResult, started: float, sampled_at: float, ended: float
+    ) -> None:
+        """What the step's timing teaches: the scheduler's cost model, and auto k's latency controller."""
         self.scheduler.costs.observe(output, ended - started)
         if self._auto_k_clock is not None:
             idle = not self.scheduler.has_unfinished()
-            self._auto_k_clock.end_step(output, result.sample_items, now, ended, self.num_waiting, idle)
-        return changed
+            self._auto_k_clock.end_step(output, result.sample_items, sampled_at, ended, self.num_waiting, idle)
 
     def _execute(self, output: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledSequence, BaseException]]]:
         """Run the step; if it fails, run each sequence alone so that only the ones that fail alone fail."""
@@ -268,7 +293,7 @@ class LLMEngine:
         merged.logits = torch.cat(logits) if logits else None
         return merged, failed
 
-    def _append(self, seq: Sequence, token: int, sampled, row: int, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, sampled: Sampled, row: int, now: float) -> None:
         seq.token_times.append(now)
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:

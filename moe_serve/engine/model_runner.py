@@ -14,14 +14,14 @@ import torch
 
 from moe_serve.config import EngineConfig
 from moe_serve.engine.decode_graphs import DecodeGraphs, decode_graphs_for
+from moe_serve.engine.decode_stack import DecodeStack, decode_stack_for
 from moe_serve.engine.kv_cache import CacheShape, KVCache
 from moe_serve.engine.runner import StepResult, score_logprobs, score_targets
-from moe_serve.engine.scheduler import SchedulerOutput
+from moe_serve.engine.scheduler_output import SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import AttentionBatch
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.models import MoETransformer
-from moe_serve.models.decode_stack import DecodeStack, decode_stack_for
 from moe_serve.moe_policy import KSpec
 
 
@@ -43,7 +43,7 @@ class TorchRunner:
         self.decode_graphs: DecodeGraphs | None = decode_graphs_for(
             model, self.cache, engine_config.max_num_seqs, device, engine_config.cuda_graphs
         )
-        # On the CPU, the layers of decode-only steps in one C++ call, where it applies (models.decode_stack):
+        # On the CPU, the layers of decode-only steps in one C++ call, where it applies (engine.decode_stack):
         # the runner owns it (it holds the runner's cache) and hands it to the model in each step's batch.
         self.decode_stack: DecodeStack | None = decode_stack_for(model, self.cache, engine_config.cpu_decode_stack)
 
@@ -81,7 +81,7 @@ class TorchRunner:
         lens = tuple(item.num_tokens for item in items)
         num_keys = tuple(item.end if uses_cache else item.num_tokens for item in items)
         tables = [[item.seq.block_tables[g] for item in items] for g in range(num_groups)] if uses_cache else None
-        batch = self._batch(positions, seq_ids, [item.seq.k_spec for item in items], lens, num_keys, tables, slots)
+        batch = self._batch(positions, seq_ids, [item.k_spec for item in items], lens, num_keys, tables, slots)
         return self.model(torch.tensor(token_ids, device=self.device), batch), lens, batch  # [T, D]
 
     def _batch(

@@ -13,8 +13,6 @@ from typing import Any
 import torch
 
 from moe_serve.config import EngineConfig
-from moe_serve.engine.kv_cache import CacheShape
-from moe_serve.engine.onnx_runner import OnnxRunner
 from moe_serve.errors import ArtifactError, ValidationError
 from moe_serve.model_config import ModelConfig
 from moe_serve.onnx_model import OnnxModel, is_export
@@ -46,11 +44,6 @@ class ExportedModel:
     @property
     def weight_format(self) -> str | None:
         return None  # the export refuses packed weights (moe_serve.weights.packed_refusal)
-
-    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> OnnxRunner:
-        # `device` is unused: the execution providers were chosen when the graph was opened, and onnxruntime
-        # hands results back on the host (engine_device).
-        return OnnxRunner(self.graph, cache_shape)
 
 
 def load_export(model: str | Path, config: EngineConfig) -> ExportedModel:

@@ -24,7 +24,7 @@ import torch
 
 from moe_serve.engine.kv_cache import CacheShape
 from moe_serve.engine.runner import StepResult, score_logprobs, score_targets
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import SequenceKind
 from moe_serve.onnx_model import INPUTS, OnnxModel, past_names
 
@@ -132,7 +132,7 @@ class OnnxRunner:
     def _ks(self, items: list[ScheduledSequence]) -> np.ndarray:
         """Each row's k. Inputs were validated on the way in (the engine's InputProcessor refuses a policy
         the graph cannot run), so this only checks the range once more, as the graph cannot raise."""
-        return self.graph.experts_per_token([it.seq.k if self.config.moe else None for it in items], len(items))
+        return self.graph.experts_per_token([it.k_spec.k if self.config.moe else None for it in items], len(items))
 
     # ---- the classifier -------------------------------------------------------------------------------
 

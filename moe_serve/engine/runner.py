@@ -1,6 +1,7 @@
 """What the engine drives and where it gets it: `LoadedModel`, whatever a backend loaded (the torch
-backend's moe_serve.artifact.Artifact, the onnxruntime backend's engine.onnx_backend.ExportedModel), which
-makes the `Runner` that computes each step, and `StepResult`, what a step produced. Also the SCORE helpers
+backend's moe_serve.artifact.Artifact, the onnxruntime backend's engine.onnx_backend.ExportedModel), the
+`Runner` that computes each step (made from it by its backend, engine.backend), and `StepResult`, what a step
+produced. Also the SCORE helpers
 every runner shares. The engine sees a backend only through these names (engine.backend lists the backends).
 
 Legend: V vocabulary.
@@ -14,16 +15,14 @@ from typing import Any, Protocol
 
 import torch
 
-from moe_serve.config import EngineConfig
-from moe_serve.engine.kv_cache import CacheShape
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.model_config import ModelConfig
 from moe_serve.quality import QualityTable
 from moe_serve.tokenizer import Tokenizer
 
 
 class LoadedModel(Protocol):
-    """A model a backend loaded, ready to serve: what it is, and the runner that computes its steps."""
+    """A model a backend loaded, ready to serve: what it is (its backend makes the runner of its steps)."""
 
     path: Path  # where it was loaded from (an artifact or an export directory)
     config: ModelConfig
@@ -44,11 +43,6 @@ class LoadedModel(Protocol):
     @property
     def weight_format(self) -> str | None:
         """The packed format its weights run in (bf16, int8, int4: moe_serve.kernels.packed); None: floats."""
-        ...
-
-    def make_runner(self, device: torch.device, cache_shape: CacheShape, engine_config: EngineConfig) -> Runner:
-        """The runner of its steps, with a KV cache of `cache_shape` (on `device`, where the backend uses it),
-        run as `engine_config` says (CUDA graphs, the largest batch)."""
         ...
 
 

@@ -23,14 +23,20 @@ from moe_serve.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class Sampled:
-    token_ids: list[int | None]  # None: this row failed (see errors)
-    logprobs: list[float | None]  # of the chosen token, for rows that asked for logprobs
-    top_logprobs: list[dict[int, float]]
+    """One entry per row: its token, or its error."""
+
+    token_ids: list[int | None] = field(default_factory=list)  # None: this row failed (see errors)
+    logprobs: list[float | None] = field(default_factory=list)  # of the chosen token, for rows that asked
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     errors: dict[int, BaseException] = field(default_factory=dict)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> Sampled:
-    """logits [R, V] fp32 -> one token per row (and its log-probability where asked for)."""
+def sample(logits: torch.Tensor | None, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> Sampled:
+    """logits [R, V] fp32 -> one token per row (and its log-probability where asked for). No rows (a step
+    that only prefills, scores or classifies: logits None): an empty result."""
+    if not seqs:
+        return Sampled()
+    assert logits is not None and logits.shape[0] == len(seqs), "one row of logits per sequence to sample"
     try:
         chosen = _choose(_adjusted(logits, seqs, eos_token_ids), seqs)
         errors: dict[int, BaseException] = {}

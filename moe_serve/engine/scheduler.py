@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moe_serve.engine.block_manager import BlockManager
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.engine.step_costs import StepCosts
 
@@ -52,45 +53,6 @@ class SchedulerConfig:
     # When long prompts are all a step runs, their chunks may cost this many seconds (bulk scoring keeps its
     # throughput; a request arriving meanwhile waits at most this long for the step in flight).
     long_prefill_alone_seconds: float = 0.2
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    start: int  # first token of this step's chunk (= tokens already computed)
-    num_tokens: int  # tokens computed this step
-    # Fixed when scheduled: after the step the sequence has grown, and the step's costs are observed then.
-    is_decode: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.is_decode = self.start == self.seq.num_tokens - 1 and self.seq.num_output_tokens > 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step every token of the sequence has been computed: it needs a next token."""
-        return self.end == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if not s.is_decode)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
 
 
 class Scheduler:

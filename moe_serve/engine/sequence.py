@@ -74,12 +74,13 @@ class Sequence:
         """The most experts a token may take (its fixed k, or its policy's max)."""
         return self.k_spec.k
 
-    def add_experts(self, tokens: int, per_layer: list[int] | None) -> None:
+    def add_experts(self, tokens: int, per_layer: list[int] | None, step_k: int) -> None:
         """A step's count: its tokens, and under a policy the experts they took per MoE layer (a fixed k's
-        follow from the tokens: see `experts`; under "auto", the k the step ran it with, in every layer)."""
+        follow from the tokens: see `experts`; under "auto", step_k, the k the step ran it with, in every
+        layer)."""
         self.expert_tokens += tokens
         if self.k_spec.auto:
-            self.auto_experts += self.k * tokens
+            self.auto_experts += step_k * tokens
             return
         if per_layer is None or not self.k_spec.adaptive:
             return

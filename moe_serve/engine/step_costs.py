@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the scheduler owns its output and imports this module
-    from moe_serve.engine.scheduler import SchedulerOutput
+from moe_serve.engine.scheduler_output import SchedulerOutput
 
 # Chunks aim this far under the stall bound: a chunk's cost is an estimate, and the bound is a promise about
 # the longest step. On the 2-vCPU development VM a plain decode step alone runs 1.2-1.5x its median at the

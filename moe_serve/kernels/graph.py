@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_serve.kernels.rotary import apply_rotary
+from moe_serve.kernels.vocabulary import ACTIVATIONS, ExpertWeights, RelativeTerm, glu
+
 
 @dataclass(frozen=True, slots=True)
 class PaddedBatch:
@@ -65,8 +68,6 @@ def rotary_write(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.rotary_write: rotary on q and k, and k, v appended to the layer's past -> (q, k)."""
     if rotary is not None:
-        from moe_serve.layers.positions import apply_rotary  # the layers' one spelling of rotary
-
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     if cache is not None:
         b, t = batch.token_mask.shape
@@ -84,7 +85,7 @@ def attention(
     cache: GraphCache | None,
     causal: bool,
     scale: float,
-    relative=None,  # ops.RelativeTerm
+    relative: RelativeTerm | None = None,
 ) -> torch.Tensor:
     """ops.attention over a padded batch: softmax(q k^T * scale [+ relative]) v over each query's allowed
     keys of its own row -> [M, H, Dh]."""
@@ -107,7 +108,7 @@ def attention(
     return out.transpose(1, 2).reshape(b * t, h, dh)
 
 
-def _relative_scores(relative, batch: PaddedBatch, causal: bool, b: int, t: int) -> torch.Tensor:
+def _relative_scores(relative: RelativeTerm, batch: PaddedBatch, causal: bool, b: int, t: int) -> torch.Tensor:
     """Transformer-XL's positional term (q + r_r_bias) . r_k[i - j]: [B, H, T, S]. Every query against every
     distance a key can be at (a slice of the table), then one gather by distance (the rel-shift as an
     index), instead of a projection per (query, key) pair."""
@@ -125,12 +126,12 @@ def _relative_scores(relative, batch: PaddedBatch, causal: bool, b: int, t: int)
     return torch.gather(by_distance, 3, index)
 
 
-def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: ExpertWeights
+) -> torch.Tensor:
     """ops.moe_experts in ops a trace records: x [M, D], topk_ids [M, K] (-1: unused), topk_weights [M, K]
     -> [M, D]. Each expert runs on the token slots routed to it only (NonZero, Gather, MatMul, ScatterND),
     so a slot beyond a row's k is never computed; slots are combined in slot order."""
-    from moe_serve.kernels.ops import ACTIVATIONS, glu
-
     m, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [M * K] slot -> expert
     per_slot = x.new_zeros(m * k, x.shape[-1])  # [M * K, D]

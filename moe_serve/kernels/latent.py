@@ -25,8 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from moe_serve.kernels import ops
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import AttentionBatch
 
 
 class LatentCache(NamedTuple):
@@ -57,25 +56,10 @@ def gather_latent(cache: LatentCache, block_table: torch.Tensor, num_keys: int) 
 MAX_PADDED_KEYS = 1 << 16
 
 
-def latent_attention(
-    q: torch.Tensor, latent: torch.Tensor, batch: AttentionBatch, cache: LatentCache | None, rank: int, scale: float
-) -> torch.Tensor:
-    """q [T, H, C] (each head's query mapped into the latent, then its rotated rope part), latent [T, C] this
-    step's rows (already in the cache when there is one) -> [T, H, R]: softmax(q . key * scale) over each
-    query's earlier keys of its own sequence, times the keys' latents (their first R values)."""
-    ext = ops._cpu_ext(q)
-    if ext is not None and cache is not None and cache.latent.dtype == torch.float32:
-        assert batch.block_tables is not None
-        return ext.latent_attention(
-            q, cache.latent, batch.block_tables, batch.seq_ids, batch.positions, batch.num_keys, rank, scale
-        )
-    return latent_attention_torch(q, latent, batch, cache, rank, scale)
-
-
 def latent_attention_torch(
     q: torch.Tensor, latent: torch.Tensor, batch: AttentionBatch, cache: LatentCache | None, rank: int, scale: float
 ) -> torch.Tensor:
-    """latent_attention in plain torch, on any device and dtype: a decode-only step in one batched product
+    """ops.latent_attention in plain torch, on any device and dtype: a decode-only step in one batched product
     (_decode), anything else one sequence at a time."""
     padded = len(batch.seq_lens) * max(batch.num_keys_host)
     if cache is not None and len(batch.seq_lens) > 1 and max(batch.seq_lens) == 1 and padded <= MAX_PADDED_KEYS:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.ops import ACTIVATIONS, ExpertWeights, Weight, float_weight, glu
+from moe_serve.kernels.vocabulary import ACTIVATIONS, ExpertWeights, Weight, float_weight, glu
 
 
 @dataclass(frozen=True, slots=True)

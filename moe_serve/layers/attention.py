@@ -11,15 +11,14 @@ distance between query and key positions (a table of every distance, computed on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from moe_serve.kernels import hugepages, ops
 from moe_serve.kernels.graph import GraphCache
 from moe_serve.kernels.packed import PackedWeight
-from moe_serve.layers.batch import ForwardBatch
+from moe_serve.kernels.vocabulary import RelativeTerm, log1p
+from moe_serve.layers.batch import AttentionInputs, ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import rotary_tables, sinusoid_relative
 from moe_serve.model_config import AttentionTemperature, ModelConfig
@@ -150,7 +149,7 @@ class Attention(nn.Module):
             q = (q.float() * _temperature(self.temperature, attention.positions)[:, None, None]).to(q.dtype)
         relative = None
         if self._r_k is not None:
-            relative = ops.RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
+            relative = RelativeTerm(q + self.r_r_bias.to(q.dtype), self._r_k, self._r_kt, self._r_offset)  # type: ignore[arg-type]
             q = q + self.r_w_bias.to(q.dtype)
         sinks = self.sinks.float() if hasattr(self, "sinks") else None
         out = ops.attention(
@@ -173,23 +172,9 @@ class Attention(nn.Module):
         return ops.linear(out.reshape(t, h * dh), *self._o), inputs  # type: ignore[misc]
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionInputs:
-    """One layer's attention in a step, as its kernel saw it: score(i, j) = scale * (q_i . k_j + q_rel_i .
-    r_k[i - j]) over each query's visible keys, which are the cache's (or, without one, the step's own)."""
-
-    q: torch.Tensor  # [T, H, Dh] (rotated; with Transformer-XL's r_w_bias added)
-    k: torch.Tensor  # [T, G, Dh] this step's keys (rotated), already in the cache when there is one
-    v: torch.Tensor  # [T, G, Dh]
-    relative: ops.RelativeTerm | None
-    scale: float
-    cache: tuple[torch.Tensor, torch.Tensor] | None  # the layer's paged keys and values
-    o_weight: torch.Tensor  # [D, H * Dh] the output projection (head h's slice: W_O^h)
-
-
 def _temperature(t: AttentionTemperature, positions: torch.Tensor) -> torch.Tensor:
     """[T] the query scale at each position (AttentionTemperature), in transformers' operations."""
-    return ops.log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
+    return log1p(torch.floor((positions.float() + 1.0) / t.floor_scale)) * t.scale + 1.0
 
 
 def _fuse(tensors: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWeight:

@@ -11,7 +11,7 @@ import torch
 
 from moe_serve.kernels.graph import GraphCache, PaddedBatch
 from moe_serve.kernels.latent import LatentCache
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import AttentionBatch, RelativeTerm
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,20 @@ class AdaptiveK:
     min_k: torch.Tensor  # [T] the fewest experts each token takes
     experts_used: torch.Tensor  # [num_layers, S] int64: experts taken, summed over each sequence's tokens
     # (filled by the MoE layers on the device, read by the runner once per step: no host sync per layer)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionInputs:
+    """One layer's attention in a step, as its kernel saw it: score(i, j) = scale * (q_i . k_j + q_rel_i .
+    r_k[i - j]) over each query's visible keys, which are the cache's (or, without one, the step's own)."""
+
+    q: torch.Tensor  # [T, H, Dh] (rotated; with Transformer-XL's r_w_bias added)
+    k: torch.Tensor  # [T, G, Dh] this step's keys (rotated), already in the cache when there is one
+    v: torch.Tensor  # [T, G, Dh]
+    relative: RelativeTerm | None
+    scale: float
+    cache: tuple[torch.Tensor, torch.Tensor] | None  # the layer's paged keys and values
+    o_weight: torch.Tensor  # [D, H * Dh] the output projection (head h's slice: W_O^h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +53,7 @@ class ForwardBatch:
     row_k: torch.Tensor | None = None
     # When a list: each MoE layer appends its tokens per expert [N] int64 (the ONNX graph's expert_counts).
     expert_counts: list[torch.Tensor] | None = None
-    # The runner's models.decode_stack.DecodeStack: the model runs the step's layers through it when it accepts
+    # The runner's engine.decode_stack.DecodeStack: the model runs the step's layers through it when it accepts
     # the batch (a decode-only CPU step), else layer by layer.
     decode_stack: Any = None
     # Per layer of a latent-attention model, its latent cache (kernels.latent) in place of keys and values.

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_serve.kernels import ops
+from moe_serve.kernels import ops, sequences
 from moe_serve.kernels.graph import PaddedBatch
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import ACTIVATIONS, AttentionBatch, ExpertWeights, SwiGLUClamp, glu
 from moe_serve.model_config import FFNConfig
 
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -33,18 +33,18 @@ def linear_shapes(config: FFNConfig, hidden_size: int) -> dict[str, tuple[int, i
     return {"down": (i, d, True), "up": (d, i, bias)}
 
 
-def swiglu_of(config: FFNConfig) -> ops.SwiGLUClamp | None:
+def swiglu_of(config: FFNConfig) -> SwiGLUClamp | None:
     """The clamped SwiGLU's parameters as the kernels take them (activation swigluoai), else None."""
     if config.swiglu_alpha is None or config.swiglu_limit is None:
         return None
-    return ops.SwiGLUClamp(config.swiglu_alpha, config.swiglu_limit)
+    return SwiGLUClamp(config.swiglu_alpha, config.swiglu_limit)
 
 
 def apply_ffn(config: FFNConfig, linear: LinearFn, x: torch.Tensor) -> torch.Tensor:
     if config.kind == "glu":
-        gated = ops.glu(config.activation, linear("gate_proj", x), linear("up_proj", x), swiglu_of(config))
+        gated = glu(config.activation, linear("gate_proj", x), linear("up_proj", x), swiglu_of(config))
         return linear("down_proj", gated)
-    act = ops.ACTIVATIONS[config.activation]
+    act = ACTIVATIONS[config.activation]
     if config.kind == "mlp":
         return linear("fc2", act(linear("fc1", x)))
     return linear("up", act(linear("down", x)))
@@ -87,7 +87,7 @@ class ExpertBank(nn.Module):
     def _bias(self, name: str) -> torch.Tensor | None:
         return getattr(self, name).bias
 
-    def weights(self) -> ops.ExpertWeights:
+    def weights(self) -> ExpertWeights:
         """The bank in the kernel's terms: y = act(x w1^T + b1) [* (x w3^T + b3)] w2^T + b2."""
         first, *gate_up, last = {
             "mlp": ("fc1", "fc2"),
@@ -97,7 +97,7 @@ class ExpertBank(nn.Module):
         w3 = b3 = None
         if gate_up:
             w3, b3 = self._weight(gate_up[0]), self._bias(gate_up[0])
-        return ops.ExpertWeights(
+        return ExpertWeights(
             self._weight(first),
             self._weight(last),
             self.config.activation,
@@ -113,7 +113,7 @@ class ExpertBank(nn.Module):
         x: torch.Tensor,  # [T, D] the tokens of S sequences
         topk_ids: torch.Tensor,  # [S, K] experts merged for each sequence, -1 beyond its k
         topk_weights: torch.Tensor,  # [S, K] fp32 merge weights (sum to 1 over used slots)
-        sequences: AttentionBatch | PaddedBatch,  # which tokens belong to which sequence
+        batch: AttentionBatch | PaddedBatch,  # which tokens belong to which sequence
     ) -> torch.Tensor:
         """Each sequence's tokens through one expert whose parameters are the weighted average of the
         experts chosen for it (SMEAR's parameter merging)."""
@@ -121,8 +121,8 @@ class ExpertBank(nn.Module):
 
         def merged_linear(name: str, h: torch.Tensor) -> torch.Tensor:
             bias = self._bias(name)
-            weight = ops.merge(topk_weights, ids, self._weight(name), sequences)  # [S, out, in]
-            merged_bias = None if bias is None else ops.merge(topk_weights, ids, bias, sequences)
-            return ops.sequence_linear(h, weight, merged_bias, sequences)
+            weight = sequences.merge(topk_weights, ids, self._weight(name), batch)  # [S, out, in]
+            merged_bias = None if bias is None else sequences.merge(topk_weights, ids, bias, batch)
+            return sequences.sequence_linear(h, weight, merged_bias, batch)
 
         return apply_ffn(self.config, merged_linear, x)

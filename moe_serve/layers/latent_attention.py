@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
-from moe_serve.kernels.latent import LatentCache, latent_attention, write_latent
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.latent import LatentCache, write_latent
+from moe_serve.kernels.vocabulary import AttentionBatch, float_weight
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.positions import apply_rotary, rotary_tables
@@ -66,7 +66,7 @@ class LatentAttention(nn.Module):
     @torch.no_grad()
     def prepare(self) -> None:
         """The position tables for every position the context allows, and kv_b_proj's rows split per head."""
-        weight = ops.float_weight(self.kv_b_proj.weight, self.kv_b_proj.weight.dtype)
+        weight = float_weight(self.kv_b_proj.weight, self.kv_b_proj.weight.dtype)
         per_head = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         self._w_uk = per_head[:, : self.nope].transpose(1, 2).contiguous()
         self._w_uv = per_head[:, self.nope :].contiguous()
@@ -102,7 +102,7 @@ class LatentAttention(nn.Module):
             write_latent(cache, latent, attention.slot_mapping)
         q_latent = ops.head_linear(q_nope.contiguous(), self._w_uk)  # [T, H, R]
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)  # [T, H, C]
-        context = latent_attention(query, latent, attention, cache, self.rank, self.scale)  # [T, H, R]
+        context = ops.latent_attention(query, latent, attention, cache, self.rank, self.scale)  # [T, H, R]
         out = ops.head_linear(context, self._w_uv).reshape(t, h * self.v_dim)
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 

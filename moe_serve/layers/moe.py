@@ -14,13 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_serve.kernels import ops
-from moe_serve.kernels.ops import AttentionBatch
-from moe_serve.layers.attention import AttentionInputs
-from moe_serve.layers.batch import ForwardBatch
+from moe_serve.kernels import ops, sequences
+from moe_serve.kernels.vocabulary import AttentionBatch, ExpertWeights, sigmoid
+from moe_serve.layers.batch import AttentionInputs, ForwardBatch
 from moe_serve.layers.ffn import FFN, ExpertBank
 from moe_serve.layers.norm import make_norm
-from moe_serve.layers.routers import PooledRouterConfig, Router, RouterState, router_class
+from moe_serve.layers.routers import PooledRouterConfig, Router, RouterState, make_router
 from moe_serve.layers.routers.hyper_expert import pattern_index
 from moe_serve.model_config import MoEConfig
 
@@ -39,7 +38,7 @@ class MoEBlock(nn.Module):
             self.shared_expert = FFN(config.shared_expert, hidden_size)
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
-        self.router_kind: Router = router_class(config.router.kind)(config.router, config.num_experts)
+        self.router_kind: Router = make_router(config.router, config.num_experts)
         # The kind's own tensors (DeepSeek-V3's correction bias) live on the router linear: `moe.router.<name>`,
         # stored and loaded in fp32 as its weight is; the kind gets them through bind.
         self._kind_tensors = tuple(type(self.router_kind).tensor_shapes(config.router, config.num_experts).items())
@@ -54,8 +53,8 @@ class MoEBlock(nn.Module):
         # plugin's expert parallelism); slots routed elsewhere are skipped here. None: the bank holds all.
         self.local_experts: tuple[int, int] | None = None
         self._router: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by prepare()
-        self._bank: ops.ExpertWeights | None = None
-        self._hyper_bank: ops.ExpertWeights | None = None
+        self._bank: ExpertWeights | None = None
+        self._hyper_bank: ExpertWeights | None = None
 
     def _count(self, topk_ids: torch.Tensor, batch: ForwardBatch, tokens_per_row: torch.Tensor | None = None) -> None:
         """Tokens routed to each expert: into expert_load (engine) and batch.expert_counts (ONNX graph).
@@ -126,7 +125,7 @@ class MoEBlock(nn.Module):
         if self.config.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.config.shared_expert_gate:
-                shared = ops.sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
+                shared = sigmoid(ops.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared
         return out
 
@@ -162,12 +161,15 @@ class MoEBlock(nn.Module):
     def _forward_per_sequence(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One routing decision per sequence from the mean of its tokens; every token of the sequence then
         goes through the merged expert (SMEAR), or through each chosen expert (example_topk)."""
-        pooled = ops.sequence_means(x, batch.attention)  # [S, D] fp32
+        pooled = sequences.sequence_means(x, batch.attention)  # [S, D] fp32
         if self.input_norm is not None:
             pooled = self.router_norm(pooled)
         topk_ids, topk_weights = self.router_kind.route(self.router_logits(pooled), batch.seq_k, batch.max_k)
-        self._count(topk_ids, batch, ops.sequence_lengths(batch.attention))  # every token uses its experts
+        self._count(topk_ids, batch, sequences.sequence_lengths(batch.attention))  # every token uses its experts
         if not self.router_kind.merges_experts:
-            ids, weights = ops.to_tokens(topk_ids, batch.attention), ops.to_tokens(topk_weights, batch.attention)
+            ids, weights = (
+                sequences.to_tokens(topk_ids, batch.attention),
+                sequences.to_tokens(topk_weights, batch.attention),
+            )
             return ops.moe_experts(x, ids, weights, self._bank or self.experts.weights())
         return self.experts.forward_merged(x, topk_ids, topk_weights, batch.attention)

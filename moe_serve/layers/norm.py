@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from moe_serve.kernels import ops
-
-NormKind = Literal["layernorm", "rmsnorm"]
+from moe_serve.model_config import NormKind
 
 
 class RMSNorm(nn.Module):

@@ -9,7 +9,10 @@ import math
 
 import torch
 
+from moe_serve.kernels.rotary import apply_rotary
 from moe_serve.model_config import RopeScaling
+
+__all__ = ["apply_rotary", "rotary_cos_sin", "rotary_inv_freq", "rotary_tables", "sinusoid_relative"]
 
 
 def rotary_inv_freq(
@@ -97,16 +100,6 @@ def rotary_cos_sin(
         through = freqs.new_zeros(*freqs.shape[:-1], (dim - rotary_dim) // 2)
         half_cos, half_sin = torch.cat((half_cos, through + 1), dim=-1), torch.cat((half_sin, through), dim=-1)
     return torch.cat((half_cos, half_cos), dim=-1), torch.cat((half_sin, half_sin), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, Dh]; cos/sin: [T, Dh] (fp32)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    if x.dtype == torch.float32:
-        return torch.addcmul(x * cos, rotated, sin)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 def sinusoid_relative(distances: torch.Tensor, dim: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
-from moe_serve.layers.attention import Attention, AttentionInputs
-from moe_serve.layers.batch import ForwardBatch
+from moe_serve.layers.attention import Attention
+from moe_serve.layers.batch import AttentionInputs, ForwardBatch
 from moe_serve.layers.ffn import FFN
 from moe_serve.layers.latent_attention import LatentAttention
 from moe_serve.layers.moe import MoEBlock
@@ -113,7 +113,7 @@ class MoETransformer(nn.Module):
         h = self.embed(input_ids)
         if self.config.position == "learned":
             h = h + self.embed_positions(batch.attention.positions)
-        if batch.decode_stack is not None and batch.decode_stack.accepts(batch):  # models.decode_stack
+        if batch.decode_stack is not None and batch.decode_stack.accepts(batch):  # engine.decode_stack
             h = batch.decode_stack(h, batch)
         else:
             for layer in self.layers:

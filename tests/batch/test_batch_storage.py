@@ -153,7 +153,7 @@ class BrokenModels:
     def resolve(self, request, item: BatchItem):
         if item.custom_id == "boom":
             raise RuntimeError("a bug in this line's preparation")
-        return "m", None
+        return "m", None, request
 
     async def prepare(self, fn, *args):
         return fn(*args)

@@ -29,14 +29,13 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from moe_serve import LLM, EngineConfig, SamplingParams
-from moe_serve.engine import decode_graphs
+from moe_serve.engine import decode_graphs, decode_stack
 from moe_serve.errors import ConfigError, ValidationError
 from moe_serve.exporters.base import ExportError
 from moe_serve.exporters.hf import export_hf
 from moe_serve.exporters.onnx.export import check_exportable
 from moe_serve.layers.routers import router_class, router_config
 from moe_serve.model_config import ExpertsPerToken, MoEConfig
-from moe_serve.models import decode_stack
 from moe_serve.moe_policy import MoEPolicy
 from moe_serve.summary import format_summary, summarize
 from moe_serve.tokenizer import END_OF_TEXT, byte_level_tokenizer

@@ -116,7 +116,7 @@ def test_requests_at_three_k_batched_together_each_give_their_own_result_bitwise
     """The product's promise for every family: a step holding k = 1, the trained k and the largest (prompts of
     different lengths, their blocks interleaved) gives each request exactly what it gets alone: tokens and
     log-probabilities bitwise. (Llama 4's sigmoid router and GLM-4.5's broke it by an ulp: torch.sigmoid takes
-    another loop by the tensor's size; ops.sigmoid does not.)"""
+    another loop by the tensor's size; vocabulary.sigmoid does not.)"""
     src, _ = exported[name]
     whole, _ = engines[name]
     generator = torch.Generator().manual_seed(5)

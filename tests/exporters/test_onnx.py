@@ -234,15 +234,16 @@ def test_external_data_export_passes_the_full_check_and_matches(exported, tmp_pa
 @pytest.fixture
 def unknown_router_kind():
     """A stateless router kind the graph does not know, registered for one test only."""
+    from moe_serve import router_registry
     from moe_serve.layers.routers import base
 
     class Unsupported(base.Router):
         def route(self, logits, top_k, max_k, state=None):
             raise NotImplementedError
 
-    base.register("test_expert_choice")(Unsupported)
+    router_registry.register("test_expert_choice")(Unsupported)
     yield
-    del base._REGISTRY["test_expert_choice"]
+    del router_registry._REGISTRY["test_expert_choice"]
 
 
 def test_models_the_graph_cannot_express_are_refused_naming_the_feature(unknown_router_kind, tmp_path: Path) -> None:

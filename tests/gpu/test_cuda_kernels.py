@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from moe_serve.kernels import cuda, ops
-from moe_serve.kernels.ops import AttentionBatch, ExpertWeights, Weighting
+from moe_serve.kernels.reference import attention_torch, gather_sequence, moe_experts_torch, topk_route_torch
+from moe_serve.kernels.vocabulary import AttentionBatch, ExpertWeights, Weighting, cache_shapes
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +71,7 @@ def moe_check(dtype: torch.dtype, tokens: int, experts: int, token_k: torch.Tens
     x = torch.randn(tokens, 256, device=DEVICE)
     ids, weights = routed(tokens, experts, token_k, max_k)
     out = ops.moe_experts(x.to(dtype), ids, weights, cast_bank(bank, dtype))
-    reference = ops.moe_experts_torch(x.to(dtype).float().cpu(), ids.cpu(), weights.cpu(), _cpu(cast_bank(bank, dtype)))
+    reference = moe_experts_torch(x.to(dtype).float().cpu(), ids.cpu(), weights.cpu(), _cpu(cast_bank(bank, dtype)))
     assert out.dtype == dtype and out.shape == x.shape
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
@@ -137,7 +138,7 @@ def test_routing_kernels_match_the_torch_routing(rows: int, experts: int, max_k:
     logits[0, ::2] = 0.25  # ties: the lowest index first
     token_k = torch.arange(rows, device=DEVICE) % (max_k + 1)
     ids, weights = ops.topk_route(logits, token_k, max_k, weighting)
-    want_ids, want_weights = ops.topk_route_torch(logits, token_k, max_k, weighting)
+    want_ids, want_weights = topk_route_torch(logits, token_k, max_k, weighting)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
     for block_m in (16, 64):
@@ -177,7 +178,7 @@ def paged_setup(dtype: torch.dtype, lengths: list[int], queries: list[int], head
     width = max(blocks_each)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
     num_blocks = len(order)
-    k_shape, v_shape = ops.cache_shapes(num_blocks, block, kv_heads, dim)
+    k_shape, v_shape = cache_shapes(num_blocks, block, kv_heads, dim)
     cache = (torch.randn(k_shape, device=DEVICE).to(dtype), torch.randn(v_shape, device=DEVICE).to(dtype))
     seq_ids, positions = [], []
     for s, (n, q) in enumerate(zip(lengths, queries, strict=True)):
@@ -203,7 +204,7 @@ def test_paged_attention_decode_matches_sdpa_gqa_4k(dtype: torch.dtype) -> None:
     lengths = [4096, 1, 17, 1000, 2049]
     q, cache, batch = paged_setup(dtype, lengths, [1] * len(lengths), heads=32, kv_heads=8, dim=128)
     out = ops.attention(q, q, q, batch, cache, causal=True, scale=128**-0.5)
-    reference = ops.attention_torch(
+    reference = attention_torch(
         q.float(), q.float(), q.float(), batch, (cache[0].float(), cache[1].float()), True, 128**-0.5
     )
     assert relative_error(out, reference) < TOLERANCE[dtype]
@@ -215,7 +216,7 @@ def test_paged_attention_prefill_chunks_match_sdpa(dtype: torch.dtype) -> None:
     lengths, queries = [700, 64, 300], [200, 64, 37]
     q, cache, batch = paged_setup(dtype, lengths, queries, heads=8, kv_heads=2, dim=64)
     out = ops.attention(q, q, q, batch, cache, causal=True, scale=0.125)
-    reference = ops.attention_torch(
+    reference = attention_torch(
         q.float(), q.float(), q.float(), batch, (cache[0].float(), cache[1].float()), True, 0.125
     )
     assert relative_error(out, reference) < TOLERANCE[dtype]
@@ -236,7 +237,7 @@ def test_packed_attention_without_cache_matches_sdpa(dtype: torch.dtype) -> None
         seq_ids, positions, torch.tensor(lengths, device=DEVICE), starts, tuple(lengths), tuple(lengths)
     )
     out = ops.attention(q, k, v, batch, None, causal=False, scale=32**-0.5)
-    reference = ops.attention_torch(q.float(), k.float(), v.float(), batch, None, False, 32**-0.5)
+    reference = attention_torch(q.float(), k.float(), v.float(), batch, None, False, 32**-0.5)
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
@@ -259,7 +260,7 @@ def test_rotary_and_cache_write_match_torch(dtype: torch.dtype) -> None:
     k = torch.randn(tokens, kv_heads, dim, device=DEVICE).to(dtype)
     v = torch.randn(tokens, kv_heads, dim, device=DEVICE).to(dtype)
     cos, sin = rotary_cos_sin(torch.randint(0, 4096, (tokens,), device=DEVICE), dim, 10000.0)
-    k_shape, v_shape = ops.cache_shapes(8, block, kv_heads, dim)
+    k_shape, v_shape = cache_shapes(8, block, kv_heads, dim)
     cache = (
         torch.full(k_shape, float("nan"), device=DEVICE).to(dtype),
         torch.full(v_shape, float("nan"), device=DEVICE).to(dtype),
@@ -279,7 +280,7 @@ def test_rotary_and_cache_write_match_torch(dtype: torch.dtype) -> None:
     q_out, k_out = ops.rotary_write(q.clone(), k.clone(), v, (cos, sin), cache, batch)
     assert relative_error(q_out, apply_rotary(q.float(), cos, sin)) < TOLERANCE[dtype]
     assert relative_error(k_out, apply_rotary(k.float(), cos, sin)) < TOLERANCE[dtype]
-    keys, values = ops.gather_sequence(cache, torch.arange(8, device=DEVICE), 8 * block)
+    keys, values = gather_sequence(cache, torch.arange(8, device=DEVICE), 8 * block)
     written = slots[slots >= 0]
     assert torch.equal(keys[written], k_out[slots >= 0].to(dtype))
     assert torch.equal(values[written], v[slots >= 0])

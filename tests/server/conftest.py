@@ -14,7 +14,7 @@ import uvicorn
 
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.server.app import create_app
-from moe_serve.server.lifecycle import build_server
+from moe_serve.server.http_server import build_server
 from moe_serve.server.settings import ServerSettings
 from moe_serve.testing import create_random_artifact
 from tests.conftest import classifier_config, free_port, lm_config

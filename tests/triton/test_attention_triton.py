@@ -1,5 +1,5 @@
 """The Triton attention kernel under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against
-ops.attention_torch: paged through scrambled block tables (decode, a prefill chunk starting mid-sequence,
+reference.attention_torch: paged through scrambled block tables (decode, a prefill chunk starting mid-sequence,
 non-causal), packed without a cache, GQA and plain heads, a head dim that is not a power of two.
 
 Every cache slot that no query may see holds NaN, and block tables are padded with a block of NaN: a key
@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from moe_serve.kernels import ops
+from moe_serve.kernels import reference
+from moe_serve.kernels.vocabulary import AttentionBatch, cache_shapes
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels run on CPU under TRITON_INTERPRET=1 only"
@@ -31,7 +32,7 @@ def paged_case(
     dtype: torch.dtype,
     seed: int,
     block_size: int = BLOCK_SIZE,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], ops.AttentionBatch]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], AttentionBatch]:
     """Sequence s has num_keys[s] keys in the cache, its last queries[s] the step's queries; blocks are
     handed out in a random order, the tables padded with the index of a block of NaN."""
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +40,7 @@ def paged_case(
     total = sum(blocks) + 2  # one spare, one poison
     order = torch.randperm(total - 1, generator=gen).tolist()
     poison = total - 1
-    k_shape, v_shape = ops.cache_shapes(total, block_size, kv_heads, head_dim)
+    k_shape, v_shape = cache_shapes(total, block_size, kv_heads, head_dim)
     k_cache = torch.full(k_shape, float("nan"), dtype=dtype)
     v_cache = torch.full(v_shape, float("nan"), dtype=dtype)
     width = max(blocks) + 1
@@ -55,7 +56,7 @@ def paged_case(
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(num_keys, queries, strict=True)])
     seq_ids = torch.repeat_interleave(torch.arange(len(queries)), torch.tensor(queries))
     starts = torch.cumsum(torch.tensor([0, *queries[:-1]]), 0)
-    batch = ops.AttentionBatch(
+    batch = AttentionBatch(
         seq_ids=seq_ids,
         positions=positions,
         num_keys=torch.tensor(num_keys),
@@ -68,13 +69,13 @@ def paged_case(
     return q, (k_cache, v_cache), batch
 
 
-def run_paged(q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], batch: ops.AttentionBatch, causal: bool):
+def run_paged(q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, causal: bool):
     from moe_serve.kernels.cuda.attention import paged_attention
 
     assert batch.block_tables is not None
     scale = q.shape[-1] ** -0.5
     got = paged_attention(q, *cache, batch.block_tables, batch.seq_ids, batch.positions, batch.num_keys, causal, scale)
-    want = ops.attention_torch(q, q, q, batch, cache, causal, scale)  # k, v unused with a cache
+    want = reference.attention_torch(q, q, q, batch, cache, causal, scale)  # k, v unused with a cache
     return got, want
 
 
@@ -146,9 +147,9 @@ def test_packed_no_cache(causal: bool, dtype: torch.dtype, lens: list[int]) -> N
     seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     starts = torch.cumsum(torch.tensor([0, *lens[:-1]]), 0)
     positions = torch.cat([torch.arange(n) for n in lens])
-    batch = ops.AttentionBatch(seq_ids, positions, torch.tensor(lens), starts, tuple(lens), tuple(lens))
+    batch = AttentionBatch(seq_ids, positions, torch.tensor(lens), starts, tuple(lens), tuple(lens))
     got = packed_attention(q, k, v, starts, seq_ids, positions, torch.tensor(lens), causal, 0.3)
-    want = ops.attention_torch(q, k, v, batch, None, causal, 0.3)
+    want = reference.attention_torch(q, k, v, batch, None, causal, 0.3)
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 

@@ -1,5 +1,5 @@
 """The MoE Triton kernels (moe_serve.kernels.cuda.moe) under Triton's interpreter, on CPU tensors, against
-ops.moe_experts_torch: every activation, GLU or not, biases or not, each k, mixed k, a row with no slot,
+reference.moe_experts_torch: every activation, GLU or not, biases or not, each k, mixed k, a row with no slot,
 and a row's result alone equal to its result in a batch. Tiny shapes: each program costs the interpreter
 10-40 ms. The kernels' INTERPRET flag (set by the interpreter) gives the dots fp32 operands and rounds
 bf16 results to nearest even, as the GPU does."""
@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
-from moe_serve.kernels import ops
+from moe_serve.kernels import reference
 from moe_serve.kernels.cuda import moe as triton_moe
+from moe_serve.kernels.vocabulary import ExpertWeights
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
@@ -29,11 +30,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
 
 def make_bank(
     dtype: torch.dtype, activation: str, glu: bool, biases: bool, d: int = 48, i: int = 40, e: int = 8
-) -> ops.ExpertWeights:
+) -> ExpertWeights:
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape) * scale).to(dtype)
 
-    return ops.ExpertWeights(
+    return ExpertWeights(
         w1=rand(e, i, d, scale=d**-0.5),
         w2=rand(e, d, i, scale=i**-0.5),
         activation=activation,
@@ -52,9 +53,9 @@ def routing(row_k: list[int], e: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(~used, -1), weights
 
 
-def check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: ops.ExpertWeights) -> torch.Tensor:
+def check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: ExpertWeights) -> torch.Tensor:
     out = triton_moe.moe_experts(x, ids, weights, bank)
-    expected = ops.moe_experts_torch(x, ids, weights, bank)
+    expected = reference.moe_experts_torch(x, ids, weights, bank)
     assert out.dtype == x.dtype and out.shape == x.shape
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(out.float(), expected.float(), rtol=TOLERANCE[x.dtype], atol=TOLERANCE[x.dtype] * scale)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from moe_serve.kernels import ops
+from moe_serve.kernels.vocabulary import cache_shapes
 from moe_serve.layers.positions import apply_rotary, rotary_cos_sin
 
 pytestmark = pytest.mark.skipif(
@@ -62,7 +62,7 @@ def rotary_case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, se
     q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
     cos, sin = rotary_cos_sin(torch.tensor([0, 3, 17, 40, 2]), head_dim, 10000.0)
-    k_shape, v_shape = ops.cache_shapes(4, BLOCK_SIZE, kv_heads, head_dim)
+    k_shape, v_shape = cache_shapes(4, BLOCK_SIZE, kv_heads, head_dim)
     cache = torch.full(k_shape, float("nan"), dtype=dtype), torch.full(v_shape, float("nan"), dtype=dtype)
     slots = torch.tensor([2 * BLOCK_SIZE + 3, 2 * BLOCK_SIZE + 15, -1, BLOCK_SIZE + 5, 2 * BLOCK_SIZE + 4])
     return q, k, v, (cos, sin), cache, slots

@@ -1,5 +1,5 @@
 """The routing kernels (moe_serve.kernels.cuda.routing) under Triton's interpreter, on CPU tensors: the top-k
-against ops.topk_route_torch (ids equal; weights to fp32 rounding) for every weighting, each k from 0 to max k
+against reference.topk_route_torch (ids equal; weights to fp32 rounding) for every weighting, each k from 0 to max k
 in one batch, ties, -inf and NaN logits, a row alone equal to it in a batch; the alignment equal, integer for
 integer, to static_moe.align over random routings with unused slots, block sizes and expert counts."""
 
@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from moe_serve.kernels import ops, static_moe
+from moe_serve.kernels import reference, static_moe
 from moe_serve.kernels.cuda import routing
+from moe_serve.kernels.vocabulary import Weighting
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
@@ -27,7 +28,7 @@ def logits_batch(rows: int, experts: int, seed: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("weighting", list(ops.Weighting))
+@pytest.mark.parametrize("weighting", list(Weighting))
 @pytest.mark.parametrize(("experts", "max_k"), [(8, 2), (8, 8), (6, 3), (16, 5)])
 def test_topk_route_equals_the_torch_route(weighting, experts, max_k) -> None:
     rows = 2 * (max_k + 1) + 3
@@ -35,7 +36,7 @@ def test_topk_route_equals_the_torch_route(weighting, experts, max_k) -> None:
     token_k = torch.arange(rows) % (max_k + 1)  # every k from 0 (a graph's padding row) to max k
     token_k[:3] = max_k
     ids, weights = routing.topk_route(logits, token_k, max_k, weighting)
-    want_ids, want_weights = ops.topk_route_torch(logits, token_k, max_k, weighting)
+    want_ids, want_weights = reference.topk_route_torch(logits, token_k, max_k, weighting)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
     assert torch.equal(weights == 0, want_weights == 0)  # exactly zero beyond each row's k
@@ -43,15 +44,15 @@ def test_topk_route_equals_the_torch_route(weighting, experts, max_k) -> None:
 
 def test_topk_route_puts_nan_first_as_the_stable_sort() -> None:
     logits = torch.tensor([[0.1, float("nan"), 0.3, float("nan"), 0.2]])
-    ids, _ = routing.topk_route(logits, torch.tensor([3]), 3, ops.Weighting.UNIFORM)
-    want, _ = ops.topk_route_torch(logits, torch.tensor([3]), 3, ops.Weighting.UNIFORM)
+    ids, _ = routing.topk_route(logits, torch.tensor([3]), 3, Weighting.UNIFORM)
+    want, _ = reference.topk_route_torch(logits, torch.tensor([3]), 3, Weighting.UNIFORM)
     assert ids.tolist() == want.tolist() == [[1, 3, 2]]
 
 
 def test_topk_route_row_alone_equals_the_row_in_a_batch() -> None:
     logits = logits_batch(9, 8, seed=3)
     token_k = torch.tensor([2, 1, 2, 0, 2, 1, 2, 2, 1])
-    softmax = ops.Weighting.SOFTMAX_CHOSEN
+    softmax = Weighting.SOFTMAX_CHOSEN
     ids, weights = routing.topk_route(logits, token_k, 2, softmax)
     for r in (3, 4, 8):
         alone_ids, alone_weights = routing.topk_route(logits[r : r + 1], token_k[r : r + 1], 2, softmax)

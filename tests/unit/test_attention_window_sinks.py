@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from moe_serve.kernels import ops
+from moe_serve.kernels.reference import gather_sequence
+from moe_serve.kernels.vocabulary import AttentionBatch
 from tests.triton.test_attention_triton import paged_case
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 24
 
 
 def reference(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], batch: ops.AttentionBatch, **shape
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], batch: AttentionBatch, **shape
 ) -> torch.Tensor:
     """q [T, H, Dh]; keys[s], values[s] [S_k, G, Dh] of sequence s -> [T, H, Dh], one query at a time."""
     window, chunk, sinks, scale = shape.get("window"), shape.get("chunk"), shape.get("sinks"), q.shape[-1] ** -0.5
@@ -48,7 +50,7 @@ def poisoned_case(num_keys: list[int], queries: list[int], window: int | None, c
     keys, values = [], []
     start = 0
     for s, n in enumerate(num_keys):
-        k, v = ops.gather_sequence((k_cache, v_cache), batch.block_tables[s], n)
+        k, v = gather_sequence((k_cache, v_cache), batch.block_tables[s], n)
         keys.append(k.clone())
         values.append(v.clone())
         earliest = int(batch.positions[start])
@@ -99,7 +101,7 @@ def test_packed_attention_with_window_chunk_and_sinks(window, chunk, path, monke
     q = torch.randn(t, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen)
-    batch = ops.AttentionBatch(
+    batch = AttentionBatch(
         seq_ids=torch.repeat_interleave(torch.arange(2), torch.tensor(lens)),
         positions=torch.cat([torch.arange(n) for n in lens]),
         num_keys=torch.tensor(lens),

@@ -230,8 +230,8 @@ class SlowRunner:
 
     def execute(self, output):
         result = self.runner.execute(output)
-        time.sleep(self.seconds_per_expert * sum(item.seq.k for item in output.scheduled))
-        auto = {item.seq.k for item in output.scheduled if item.seq.k_spec.auto}
+        time.sleep(self.seconds_per_expert * sum(item.k_spec.k for item in output.scheduled))
+        auto = {item.k_spec.k for item in output.scheduled if item.k_spec.auto}
         assert len(auto) <= 1  # every "auto" sequence of a step runs at the step's one k
         self.auto_ks += auto
         return result

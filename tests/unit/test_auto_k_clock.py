@@ -4,7 +4,7 @@ the inter-token latency is the time between step ends, and idle time reaches the
 from __future__ import annotations
 
 from moe_serve.engine.auto_k import AutoKClock, AutoKConfig, AutoKController
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence
 from moe_serve.moe_policy import KSpec
 
@@ -19,7 +19,8 @@ def test_auto_sequences_run_at_the_current_k_and_fixed_ones_keep_theirs() -> Non
     auto, fixed = decoding(KSpec.auto_at(1)), decoding(KSpec(2))
     clock.controller.current_k = 5
     clock.begin_step(0.0, [auto, fixed])
-    assert auto.seq.k_spec == KSpec.auto_at(5) and fixed.seq.k_spec == KSpec(2)
+    assert auto.k_spec == KSpec.auto_at(5) and fixed.k_spec == KSpec(2)  # the step's k, in its scheduled item
+    assert auto.seq.k_spec == KSpec.auto_at(1)  # the sequence keeps the request's k
 
 
 def test_latency_between_step_ends_and_idle_time_reach_the_controller() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from moe_serve.kernels import cpu_extension, target_isa
-from moe_serve.kernels.ops import Weighting
+from moe_serve.kernels.vocabulary import Weighting
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="no C++ CPU kernels on this machine")
 
@@ -21,7 +21,7 @@ def test_the_build_uses_the_widest_vectors_allowed() -> None:
 
 
 def test_the_kernel_reads_the_weighting_codes_python_sends() -> None:
-    """ops.Weighting (what the router kinds name) and the C++ enum are one table."""
+    """vocabulary.Weighting (what the router kinds name) and the C++ enum are one table."""
     assert cpu_extension().weighting_codes() == {w.name.lower(): w.value for w in Weighting}
 
 

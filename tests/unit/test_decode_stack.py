@@ -1,4 +1,4 @@
-"""The C++ decode stack (moe_serve.models.decode_stack) computes what the Python layers compute, bitwise, in
+"""The C++ decode stack (moe_serve.engine.decode_stack) computes what the Python layers compute, bitwise, in
 mixed-k batches and in every weight format, and counts expert load the same; models it cannot run keep the
 Python layers, with the reason."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from moe_serve import LLM, EngineConfig, SamplingParams
+from moe_serve.engine.decode_stack import unsupported_reason
 from moe_serve.engine.kv_cache import KVCache, cache_shape
 from moe_serve.kernels import cpu_extension
 from moe_serve.layers.routers import router_config
 from moe_serve.model_config import FFNConfig, LayerAttention
-from moe_serve.models.decode_stack import unsupported_reason
 from moe_serve.testing import create_random_artifact
 from tests.conftest import lm_config, moe_config
 

@@ -9,7 +9,7 @@ import torch
 
 from moe_serve import LLM, EngineConfig
 from moe_serve.engine.kv_cache import KVCache, cache_shape, kv_layout
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence
 from moe_serve.model_config import LayerAttention
 from tests.batches import KERNELS, use_kernels

@@ -17,7 +17,7 @@ import torch
 
 from moe_serve.kernels import cpu_extension, latent, ops
 from moe_serve.kernels.latent import LatentCache
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.kernels.vocabulary import AttentionBatch
 from tests.batches import use_kernels
 
 needs_kernels = pytest.mark.skipif(cpu_extension() is None, reason="no C++ CPU kernels on this machine")
@@ -185,7 +185,7 @@ def test_latent_attention_takes_the_kernel_where_it_applies(which: str, monkeypa
     rank, rope, heads = 24, 8, 4
     q, cache, batch = make_case(MIXED, heads, rank, rope, 12, seed=11)
     step = torch.empty(0)
-    got = latent.latent_attention(q, step, batch, cache, rank, 0.25)
+    got = ops.latent_attention(q, step, batch, cache, rank, 0.25)
     if which == "cpu":
         assert torch.equal(got, kernel(q, cache, batch, rank, 0.25))
     else:
@@ -202,12 +202,12 @@ def test_bf16_and_no_cache_take_the_torch_path(monkeypatch) -> None:
     monkeypatch.setattr(cpu_extension(), "latent_attention", refuse)
     q, cache, batch = make_case(DECODES, heads, rank, rope, 16, seed=5)
     bf16 = LatentCache(cache.latent.bfloat16())
-    assert latent.latent_attention(q.bfloat16(), torch.empty(0), batch, bf16, rank, 0.25).dtype == torch.bfloat16
+    assert ops.latent_attention(q.bfloat16(), torch.empty(0), batch, bf16, rank, 0.25).dtype == torch.bfloat16
     # No cache: whole sequences from position 0, their keys the step's own rows.
     q, cache, batch = make_case([(9, 9), (5, 5)], heads, rank, rope, 16, seed=6)
     assert batch.slot_mapping is not None
     rows = cache.latent.reshape(-1, rank + rope)[batch.slot_mapping]
-    out = latent.latent_attention(q, rows, batch, None, rank, 0.25)
+    out = ops.latent_attention(q, rows, batch, None, rank, 0.25)
     torch.testing.assert_close(out.double(), reference(q, cache, batch, rank, 0.25), rtol=1e-5, atol=1e-5)
 
 

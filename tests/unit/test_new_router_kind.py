@@ -16,7 +16,7 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.config_schema import check_float
 from moe_serve.errors import ConfigError, ValidationError
 from moe_serve.kernels import ops
-from moe_serve.kernels.ops import Weighting
+from moe_serve.kernels.vocabulary import Weighting
 from moe_serve.layers.routers import Router, RouterConfig, RouterState, register, router_config, unregister
 from moe_serve.model_config import ExpertsPerToken, ModelConfig
 from moe_serve.moe_policy import MoEPolicy

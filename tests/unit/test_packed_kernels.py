@@ -30,9 +30,11 @@ from moe_serve.kernels.packed import (
     from_stored,
     quantize,
 )
+from moe_serve.kernels.reference import moe_experts_torch
+from moe_serve.kernels.vocabulary import ACTIVATION_IDS, ACTIVATIONS, LINEAR_MAX_ROWS, ExpertWeights, Weight
 
 BATCHES = (1, 3, 17, 64, 100)
-ACTIVATIONS = tuple(ops.ACTIVATIONS)  # the clamped SwiGLU (a GLU only, with parameters): test_swiglu_clamp.py
+ACTIVATIONS = tuple(ACTIVATIONS)  # the clamped SwiGLU (a GLU only, with parameters): test_swiglu_clamp.py
 
 # ---- packed.py: the definition the kernels are tested against ----------------------------------------
 
@@ -130,7 +132,7 @@ def test_the_avx2_build_passes_these_tests() -> None:
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
-def _linear(ext: ModuleType, x: torch.Tensor, weight: ops.Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(ext: ModuleType, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return ext.linear_packed(x, weight.data, weight.scales, weight.format.value, bias)
     return ext.linear(x, weight, bias)
@@ -189,13 +191,13 @@ def _bank(fmt_up: WeightFormat, fmt_down: WeightFormat, gated: bool, biases: boo
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * 0.2
 
-    def pack(w: torch.Tensor, fmt: WeightFormat) -> ops.Weight:
+    def pack(w: torch.Tensor, fmt: WeightFormat) -> Weight:
         return w if fmt is WeightFormat.FP32 else quantize(w, fmt)
 
     def bias(*shape: int) -> torch.Tensor | None:
         return weight(*shape) if biases else None
 
-    return ops.ExpertWeights(
+    return ExpertWeights(
         w1=pack(weight(experts, inner, d), fmt_up),
         w2=pack(weight(experts, d, inner), fmt_down),
         activation=activation,
@@ -206,17 +208,17 @@ def _bank(fmt_up: WeightFormat, fmt_down: WeightFormat, gated: bool, biases: boo
     )
 
 
-def _moe(ext: ModuleType, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: ops.ExpertWeights):
-    def parts(w: ops.Weight | None) -> tuple:
+def _moe(ext: ModuleType, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: ExpertWeights):
+    def parts(w: Weight | None) -> tuple:
         if w is None:
             return None, None
         return (w.data, w.scales) if isinstance(w, PackedWeight) else (w, None)
 
-    def name(w: ops.Weight) -> str:
+    def name(w: Weight) -> str:
         return w.format.value if isinstance(w, PackedWeight) else {torch.float32: "fp32"}[w.dtype]
 
     up, down = name(bank.w1), name(bank.w2)
-    act = (ops.ACTIVATION_IDS[bank.activation], 0.0, 0.0)  # no clamped SwiGLU here: no alpha, no limit
+    act = (ACTIVATION_IDS[bank.activation], 0.0, 0.0)  # no clamped SwiGLU here: no alpha, no limit
     return ext.moe_experts_packed(
         x, ids, weights, up, *parts(bank.w1), bank.b1, *parts(bank.w3), bank.b3, down, *parts(bank.w2), bank.b2, *act
     )
@@ -251,7 +253,7 @@ def test_moe_experts_are_the_fp32_kernel_on_the_dequantized_bank(
         out = _moe(ext, x, ids, weights, bank)
         assert torch.equal(out, _moe(ext, x, ids, weights, dense)), k
         with one_thread():
-            reference = ops.moe_experts_torch(x, ids, weights, dense)
+            reference = moe_experts_torch(x, ids, weights, dense)
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
@@ -312,7 +314,7 @@ def test_ops_take_packed_weights_on_every_path(fmt: WeightFormat, monkeypatch: p
     """The C++ kernels at every M (bf16 tensors too), and the torch fallback on the dequantized weight."""
     generator = torch.Generator().manual_seed(8)
     packed = quantize(torch.randn(40, 64, generator=generator), fmt)
-    x = torch.randn(ops.LINEAR_MAX_ROWS + 3, 64, generator=generator)
+    x = torch.randn(LINEAR_MAX_ROWS + 3, 64, generator=generator)
     reference = F.linear(x, packed.dequantize())
     fast = ops.linear(x, packed)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)

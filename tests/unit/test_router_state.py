@@ -10,7 +10,8 @@ import torch
 
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.sequence import SequenceKind
-from moe_serve.kernels import ops
+from moe_serve.kernels import reference
+from moe_serve.kernels.vocabulary import Weighting
 from moe_serve.layers.routers import Router, RouterState, register, router_config
 from tests.conftest import lm_config, moe_config
 
@@ -37,7 +38,7 @@ class _CausalMean(Router):
             else:  # the bug the test must catch: only the tokens of this step
                 mine = (batch.seq_ids[: t + 1] == seq).nonzero()[:, 0]
                 mixed[t] = probs[mine].mean(0)
-        return ops.topk_route_torch(mixed.log(), top_k, max_k, ops.Weighting.SOFTMAX_CHOSEN)
+        return reference.topk_route_torch(mixed.log(), top_k, max_k, Weighting.SOFTMAX_CHOSEN)
 
 
 @register("test_causal_mean")
@@ -100,7 +101,7 @@ def test_a_router_that_ignores_the_cached_state_is_caught(make_artifact) -> None
 @pytest.fixture(autouse=True, scope="module")
 def _unregister():
     yield
-    from moe_serve.layers.routers import base
+    from moe_serve import router_registry
 
     for kind in ("test_causal_mean", "test_causal_mean_step_only"):
-        base._REGISTRY.pop(kind, None)
+        router_registry._REGISTRY.pop(kind, None)

@@ -1,5 +1,5 @@
 """The element-wise torch ops the layers use compute a token's values the same whatever else is in its tensor
-(kernels.ops.row_invariant): ATen's CPU loops for sigmoid, silu, tanh-gelu and log1p take a vectorised or a
+(kernels.vocabulary.row_invariant): ATen's CPU loops for sigmoid, silu, tanh-gelu and log1p take a vectorised or a
 scalar path by the tensor's size, which differ in the last bit, and a request's log-probabilities moved with its
 batch (Llama 4's router and temperature, DeepSeek-V3's and GLM-4.5's routers, every dense FFN and shared expert
 with SiLU). Each op here, over tensors of 1 to 40 rows of several widths, gives every row bitwise what the row
@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve.kernels import ops
+from moe_serve.kernels.vocabulary import ACTIVATIONS, SwiGLUClamp, glu, log1p, sigmoid
 
-SWIGLU = ops.SwiGLUClamp(alpha=1.702, limit=7.0)
+SWIGLU = SwiGLUClamp(alpha=1.702, limit=7.0)
 OPS = {
-    "sigmoid": ops.sigmoid,
-    "log1p": lambda x: ops.log1p(x.abs()),
-    **{f"activation {name}": fn for name, fn in ops.ACTIVATIONS.items()},
-    "glu silu": lambda x: ops.glu("silu", x, x.flip(-1)),
-    "glu swigluoai": lambda x: ops.glu("swigluoai", x, x.flip(-1), SWIGLU),
+    "sigmoid": sigmoid,
+    "log1p": lambda x: log1p(x.abs()),
+    **{f"activation {name}": fn for name, fn in ACTIVATIONS.items()},
+    "glu silu": lambda x: glu("silu", x, x.flip(-1)),
+    "glu swigluoai": lambda x: glu("swigluoai", x, x.flip(-1), SWIGLU),
 }
 REFERENCE = {
     "sigmoid": torch.sigmoid,

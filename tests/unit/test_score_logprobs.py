@@ -7,7 +7,7 @@ import torch
 
 from moe_serve.engine.model_runner import TorchRunner
 from moe_serve.engine.runner import score_logprobs, score_targets
-from moe_serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind
 from moe_serve.sampling_params import SamplingParams
 

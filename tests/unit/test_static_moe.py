@@ -1,5 +1,5 @@
 """The static-shape MoE (moe_serve.kernels.static_moe): the alignment the CUDA kernels read, and its torch
-twin moe_experts_blocked against ops.moe_experts_torch at every k, mixed k, rows with no slot, many experts,
+twin moe_experts_blocked against reference.moe_experts_torch at every k, mixed k, rows with no slot, many experts,
 GLU and MLP banks."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve.kernels import ops
+from moe_serve.kernels import reference
 from moe_serve.kernels.static_moe import align, capacity, moe_experts_blocked
+from moe_serve.kernels.vocabulary import ExpertWeights
 from tests.host_reads import HostReads
 
 K = 4
@@ -78,17 +79,17 @@ def test_no_host_sync() -> None:
         moe_experts_blocked(x, ids, weights, bank)
     assert reads.seen == []
     with HostReads() as reads:  # the check itself sees them
-        ops.moe_experts_torch(x, ids, weights, bank)
+        reference.moe_experts_torch(x, ids, weights, bank)
     assert reads.seen
 
 
-def make_bank(dtype: torch.dtype, glu: bool, e: int, d: int = 32, i: int = 24) -> ops.ExpertWeights:
+def make_bank(dtype: torch.dtype, glu: bool, e: int, d: int = 32, i: int = 24) -> ExpertWeights:
     g = torch.Generator().manual_seed(e + glu)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
-    return ops.ExpertWeights(
+    return ExpertWeights(
         w1=rand(e, i, d, scale=d**-0.5),
         w2=rand(e, d, i, scale=i**-0.5),
         activation="silu" if glu else "gelu",
@@ -112,7 +113,7 @@ def test_blocked_matches_torch(dtype: torch.dtype, glu: bool, e: int, routing_na
     x = torch.randn(len(row_k), 32, generator=torch.Generator().manual_seed(7)).to(dtype)
     bank = make_bank(dtype, glu, e)
     out = moe_experts_blocked(x, ids, weights, bank)
-    expected = ops.moe_experts_torch(x, ids, weights, bank)
+    expected = reference.moe_experts_torch(x, ids, weights, bank)
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
     for row, k in enumerate(row_k):

@@ -9,6 +9,7 @@ import torch
 
 from moe_serve.kernels import ops
 from moe_serve.kernels.packed import WeightFormat, quantize
+from moe_serve.kernels.vocabulary import ExpertWeights, SwiGLUClamp
 
 E, D, I, T, K = 4, 32, 64, 9, 2
 ALPHA, LIMIT = 1.702, 7.0
@@ -57,8 +58,8 @@ def test_clamped_swiglu_experts_equal_transformers(path: str, fmt: WeightFormat,
     if fmt is not WeightFormat.FP32:  # the reference gets the values the packed bank holds
         w = {**w, **{n: quantize(w[n], fmt).dequantize() for n in ("gate", "up", "down")}}
     up = {"w3": pack(w["up"]), "b3": w["b_up"]}
-    swiglu = ops.SwiGLUClamp(ALPHA, LIMIT)
-    bank = ops.ExpertWeights(
+    swiglu = SwiGLUClamp(ALPHA, LIMIT)
+    bank = ExpertWeights(
         pack(w["gate"]), pack(w["down"]), "swigluoai", w["b_gate"], **up, b2=w["b_down"], swiglu=swiglu
     )
     if path == "torch":

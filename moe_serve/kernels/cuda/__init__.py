@@ -12,34 +12,10 @@ compiles every configuration in SM90_SPECS for sm_90 without a GPU (tests/unit/t
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-
-def triton_available() -> bool:
-    from moe_serve.kernels import torch_forced
-
-    return importlib.util.find_spec("triton") is not None and not torch_forced()
-
-
-def interpreting() -> bool:
-    """Under Triton's interpreter the kernels run on CPU tensors (the tests' way to check them)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class CompileSpec:
-    """One kernel configuration to build ahead of time: `triton.compile(ASTSource(kernel, signature,
-    constexprs), target=GPUTarget("cuda", 90, 32))` (tests/unit/test_cuda_compile.py)."""
-
-    name: str
-    kernel: Any  # the @triton.jit function
-    signature: dict[str, str]  # argument -> "*bf16", "*fp32", "*i32", "*i64", "i32", "fp32", "constexpr"
-    constexprs: dict[str, Any] = field(default_factory=dict)
-    num_warps: int = 4
-    num_stages: int = 3
+from moe_serve.kernels.cuda.common import triton_available
 
 
 @dataclass(frozen=True)

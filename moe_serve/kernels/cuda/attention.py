@@ -1,7 +1,7 @@
 """Attention as one Triton kernel: paged (keys and values read from the cache through each sequence's block
 table) or packed (a whole sequence's own rows, no cache), for decode and for varlen prefill chunks alike.
-Same results as ops.attention_torch; Transformer-XL relative attention is not here: its positional term
-keeps ops.attention_torch (the slower path), and ops dispatches it there.
+Same results as reference.attention_torch; Transformer-XL relative attention is not here: its positional term
+keeps reference.attention_torch (the slower path), and ops dispatches it there.
 
 Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, NB blocks, BS block size,
 MB blocks per sequence (the block table's width), M rows of a program's tile (query tokens x heads of a
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.cuda import CompileSpec, interpreting
+from moe_serve.kernels.cuda.common import CompileSpec, interpreting
 
 DECODE_ROWS = 16  # tl.dot's minimum M: a decode program's group is padded up to it
 PREFILL_ROWS = 64  # (token, head) rows of a prefill program: 64 x Dh fp32 accumulators fit 4 warps' registers

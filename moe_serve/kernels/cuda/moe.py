@@ -7,7 +7,7 @@ step's slots: moe_serve.kernels.cuda.routing), then three launches:
 1. gate/up: per block, its rows' tokens times its expert's w1 (and w3), biases and the activation fused,
    into the intermediate of each slot [S, I] (x's dtype);
 2. down: per block, the intermediate times w2, plus b2, rounded to x's dtype (each expert's output, as in
-   ops.moe_experts_torch) and times the slot's routing weight, into each slot's result [S, D] fp32;
+   reference.moe_experts_torch) and times the slot's routing weight, into each slot's result [S, D] fp32;
 3. combine: per token, its slots' results added in slot order k = 0..K-1 in fp32, unused slots (id < 0)
    skipped. A token's slots lie in different blocks, so without atomics (whose order varies from run to
    run) their sum cannot be fused into the down kernel; this third pass keeps the sum's order fixed.
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.cuda import CompileSpec, interpreting
+from moe_serve.kernels.cuda.common import CompileSpec, interpreting
 from moe_serve.kernels.cuda.routing import align
-from moe_serve.kernels.ops import ACTIVATION_IDS, ExpertWeights
+from moe_serve.kernels.vocabulary import ACTIVATION_IDS, ExpertWeights
 
 # ---- kernels ----------------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _activate(v, ACTIVATION: tl.constexpr):
-    """ops.ACTIVATIONS by ACTIVATION_IDS: relu 0, gelu (erf) 1, gelu_tanh 2, silu 3; v fp32."""
+    """vocabulary.ACTIVATIONS by ACTIVATION_IDS: relu 0, gelu (erf) 1, gelu_tanh 2, silu 3; v fp32."""
     if ACTIVATION == 0:
         v = tl.maximum(v, 0.0)
     elif ACTIVATION == 1:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.cuda import CompileSpec
+from moe_serve.kernels.cuda.common import CompileSpec
 
 NUM_WARPS = 4
 TILE = 4096  # elements a program holds at once: 32 fp32 per thread with 4 warps, no spills

@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.cuda import CompileSpec
-from moe_serve.kernels.ops import Weighting
+from moe_serve.kernels.cuda.common import CompileSpec
 from moe_serve.kernels.static_moe import Alignment, capacity
 from moe_serve.kernels.static_moe import align as align_torch
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting
 
 # Above this many slots the alignment takes the torch ops: every program of the kernel holds all the
 # slots' experts in registers (4096 int32 over 4 warps: 32 a thread).
@@ -44,7 +44,7 @@ def _topk_route_kernel(
     K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHTING: tl.constexpr,  # ops.Weighting: 0 softmax of the chosen, 1 full softmax, 2 uniform
+    WEIGHTING: tl.constexpr,  # vocabulary.Weighting: 0 softmax of the chosen, 1 full softmax, 2 uniform
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -116,15 +116,13 @@ def _align_kernel(
 # ---- launchers --------------------------------------------------------------------------------------
 
 
-def topk_route(
-    logits: torch.Tensor, token_k: torch.Tensor, max_k: int, weighting: Weighting
-) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route(logits: torch.Tensor, token_k: torch.Tensor, max_k: int, weighting: Weighting) -> RouteOutput:
     """ops.topk_route for fp32 logits [R, E] on the GPU -> ids [R, K] int64, weights [R, K] fp32."""
     rows, num_experts = logits.shape
     ids = torch.empty(rows, max_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(rows, max_k, dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return ids, weights
+        return RouteOutput(ids, weights)
     _topk_route_kernel[(rows,)](
         logits.contiguous(),
         token_k.contiguous(),
@@ -133,7 +131,7 @@ def topk_route(
         **_route_constexprs(num_experts, max_k, weighting),
         num_warps=1,
     )
-    return ids, weights
+    return RouteOutput(ids, weights)
 
 
 def _route_constexprs(num_experts: int, max_k: int, weighting: Weighting) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""Router kinds, one module per kind, found by name in a registry (docs/architecture.md §3). A kind turns
+"""Router kinds, one module per kind, found by name in the registry (moe_serve.router_registry;
+docs/architecture.md §3). Importing this package registers every built-in kind. A kind turns
 fp32 router logits into each row's experts and combine weights, with k per row, and owns its settings,
 its weighting, its checks and its reference (see base.py). Add a kind: one module with a
 `@register("name")` Router subclass in this package (imported, so registered, with the package) or
@@ -10,17 +11,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from moe_serve.layers.routers.base import (
-    PooledRouterConfig,
-    Router,
-    RouterConfig,
-    RouterState,
-    register,
-    router_class,
-    router_config,
-    router_kinds,
-    unregister,
-)
+from moe_serve.layers.routers.base import PooledRouterConfig, Router, RouterState, make_router
+from moe_serve.router_registry import RouterConfig, register, router_class, router_config, router_kinds, unregister
 
 
 def _register_built_in_kinds() -> None:
@@ -37,6 +29,7 @@ __all__ = [
     "Router",
     "RouterConfig",
     "RouterState",
+    "make_router",
     "register",
     "router_class",
     "router_config",

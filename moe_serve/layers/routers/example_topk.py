@@ -5,8 +5,9 @@ output scaled by p_max. Top-p is not defined for it (one decision per input)."""
 
 from __future__ import annotations
 
-from moe_serve.kernels.ops import Weighting
-from moe_serve.layers.routers.base import PooledRouterConfig, Router, register
+from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.layers.routers.base import PooledRouterConfig, Router
+from moe_serve.router_registry import register
 
 
 @register("example_topk")

@@ -31,8 +31,9 @@ import torch
 
 from moe_serve.config_schema import check_choice, check_float, check_size
 from moe_serve.errors import ConfigError
-from moe_serve.kernels import ops
-from moe_serve.layers.routers.base import Router, RouterConfig, RouterState, register
+from moe_serve.kernels.vocabulary import sigmoid
+from moe_serve.layers.routers.base import Router, RouterState
+from moe_serve.router_registry import RouterConfig, register
 
 if TYPE_CHECKING:
     from moe_serve.model_config import MoEConfig
@@ -99,7 +100,7 @@ class GroupedTopK(Router):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.settings
         rows, n = logits.shape
-        scores = ops.sigmoid(logits) if s.score == "sigmoid" else torch.softmax(logits, dim=-1)  # [R, N]
+        scores = sigmoid(logits) if s.score == "sigmoid" else torch.softmax(logits, dim=-1)  # [R, N]
         choice = scores
         if s.correction_bias:
             assert self.bias is not None, "the MoE block binds the correction bias before routing (MoEBlock.prepare)"

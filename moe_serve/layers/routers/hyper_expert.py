@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_serve.errors import ConfigError
-from moe_serve.layers.routers.base import register
 from moe_serve.layers.routers.topk_softmax import TopKSoftmax
+from moe_serve.router_registry import register
 
 if TYPE_CHECKING:
     from moe_serve.model_config import MoEConfig

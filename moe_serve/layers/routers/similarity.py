@@ -26,8 +26,9 @@ import torch
 
 from moe_serve.config_schema import check_float
 from moe_serve.kernels import ops
-from moe_serve.kernels.ops import Weighting
-from moe_serve.layers.routers.base import Router, RouterConfig, RouterState, register
+from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.layers.routers.base import Router, RouterState
+from moe_serve.router_registry import RouterConfig, register
 
 
 @dataclass(frozen=True, slots=True)

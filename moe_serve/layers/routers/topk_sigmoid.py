@@ -11,8 +11,9 @@ import math
 import torch
 
 from moe_serve.kernels import ops
-from moe_serve.kernels.ops import Weighting
-from moe_serve.layers.routers.base import Router, RouterState, register
+from moe_serve.kernels.vocabulary import Weighting, sigmoid
+from moe_serve.layers.routers.base import Router, RouterState
+from moe_serve.router_registry import register
 
 
 @register("topk_sigmoid")
@@ -25,7 +26,7 @@ class TopKSigmoid(Router):
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = ops.topk_route(logits, token_k, max_k, Weighting.UNIFORM)  # the top k by logit, -1 beyond k
-        weights = ops.sigmoid(logits.float().gather(1, ids.clamp(min=0)))
+        weights = sigmoid(logits.float().gather(1, ids.clamp(min=0)))
         return ids, torch.where(ids >= 0, weights, torch.zeros_like(weights))
 
     def reference_weights(self, logits: list[float], chosen: list[int]) -> list[float]:

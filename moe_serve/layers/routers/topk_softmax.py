@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_serve.kernels.ops import Weighting
-from moe_serve.layers.routers.base import Router, RouterConfig, register
+from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.layers.routers.base import Router
+from moe_serve.router_registry import RouterConfig, register
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from moe_serve.kernels.ops import Weighting
-from moe_serve.layers.routers.base import Router, register
+from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.layers.routers.base import Router
+from moe_serve.router_registry import register
 
 
 @register("topk_uniform")

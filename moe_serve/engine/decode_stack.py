@@ -14,20 +14,25 @@ same operands in the same order, so a token's result does not depend on which ra
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from moe_serve.kernels import cpu_extension, ops
-from moe_serve.kernels.ops import AttentionBatch
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.kernels import cpu_extension
+from moe_serve.kernels.vocabulary import (
+    ACTIVATION_IDS,
+    ACTIVATIONS,
+    LINEAR_MAX_ROWS,
+    AttentionBatch,
+    kernel_format,
+    kernel_parts,
+)
 from moe_serve.layers.attention import Attention
 from moe_serve.layers.batch import ForwardBatch
 from moe_serve.layers.norm import RMSNorm
 from moe_serve.layers.routers import Router
-
-if TYPE_CHECKING:
-    from moe_serve.engine.kv_cache import KVCache
-    from moe_serve.models.transformer import MoETransformer
+from moe_serve.models.transformer import MoETransformer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ def unsupported_reason(model: MoETransformer, cache: KVCache | None) -> str | No
             return "it runs the routed experts only (no shared expert, adapters or expert parallelism)"
         if moe.config.weights_scale_input:
             return "it weights each expert's output (weights_scale_input weights its input)"
-        if moe.config.expert.activation not in ops.ACTIVATIONS:  # the clamped SwiGLU is a GLU of its own
+        if moe.config.expert.activation not in ACTIVATIONS:  # the clamped SwiGLU is a GLU of its own
             return f"it runs the plain activations (not {moe.config.expert.activation})"
         if moe._router is None or moe._bank is None:
             return "the model is not prepared (MoETransformer.prepare)"
@@ -96,7 +101,7 @@ class DecodeStack:
         ext = cpu_extension()
         assert ext is not None
         self.caches = cache.layers
-        self._stack = ext.DecodeStack(ops.LINEAR_MAX_ROWS)
+        self._stack = ext.DecodeStack(LINEAR_MAX_ROWS)
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, moe = layer.attn, layer.moe
@@ -121,14 +126,14 @@ class DecodeStack:
                 moe._router[0],
                 moe._router[1],
                 int(moe.router_kind.weighting),
-                ops.kernel_format(bank.w1),
-                *ops.kernel_parts(bank.w1),
+                kernel_format(bank.w1),
+                *kernel_parts(bank.w1),
                 bank.b1,
-                *(ops.kernel_parts(bank.w3) if bank.w3 is not None else (None, None)),
+                *(kernel_parts(bank.w3) if bank.w3 is not None else (None, None)),
                 bank.b3,
                 *_operand(bank.w2),
                 bank.b2,
-                ops.ACTIVATION_IDS[bank.activation],
+                ACTIVATION_IDS[bank.activation],
                 k_cache,
                 v_cache,
             )
@@ -172,4 +177,4 @@ class DecodeStack:
 
 def _operand(weight: Any) -> tuple[str | None, torch.Tensor, torch.Tensor | None]:
     """(format, data, scales) as the C++ kernels take a weight."""
-    return (ops.kernel_format(weight), *ops.kernel_parts(weight))
+    return (kernel_format(weight), *kernel_parts(weight))

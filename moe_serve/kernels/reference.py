@@ -1,0 +1,214 @@
+"""The plain-torch twins of the kernels' ops: what ops.py runs where no compiled kernel applies (CUDA without
+Triton, dtypes the kernels lack, MOE_SERVE_KERNELS=torch, features a kernel family does not have), and the
+obviously correct references the kernel tests compare with. Each is written for clarity over speed: one
+sequence at a time where that is simplest, a stable sort for ties, fp32 for every reduction.
+
+Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots, D hidden,
+R router rows (or relative distances), NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from moe_serve.kernels.rotary import apply_rotary
+from moe_serve.kernels.vocabulary import (
+    ACTIVATIONS,
+    AttentionBatch,
+    ExpertWeights,
+    RelativeTerm,
+    RouteOutput,
+    Weight,
+    Weighting,
+    float_weight,
+    glu,
+)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # F.rms_norm is one fused op, but ONNX (opset 17) has no RMSNormalization: traced, it is written out.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.jit.is_tracing():
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    x32 = x.float()
+    return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rotary_write_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    slot_mapping: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rotary_write: rotary on q and k, then k and v stored at their cache rows (block * BS + offset)."""
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    if cache is not None:
+        k_cache, v_cache = cache
+        block_size = k_cache.shape[-1]
+        assert slot_mapping is not None
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
+    return q, k
+
+
+def topk_route_torch(logits: torch.Tensor, token_k: torch.Tensor, max_k: int, weighting: Weighting) -> RouteOutput:
+    """ops.topk_route in torch ops."""
+    if torch.jit.is_tracing():  # ONNX has no stable sort; its TopK puts ties at the lower index too
+        topk_logits, topk_ids = torch.topk(logits, max_k, dim=-1)
+    else:  # a stable sort puts ties in index order
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        topk_logits, topk_ids = sorted_logits[:, :max_k], order[:, :max_k]  # [R, K]
+    used = torch.arange(max_k, device=logits.device)[None, :] < token_k[:, None]  # [R, K]
+    if weighting is Weighting.UNIFORM:
+        weights = used.float() / token_k.clamp(min=1)[:, None].float()
+    elif weighting is Weighting.SOFTMAX_ALL:
+        weights = torch.softmax(logits, dim=-1).gather(1, topk_ids) * used
+    else:
+        weights = torch.softmax(topk_logits.masked_fill(~used, float("-inf")), dim=-1)
+        weights = torch.where(used, weights, torch.zeros_like(weights))  # a k = 0 row is all -inf: NaN
+    return RouteOutput(topk_ids.masked_fill(~used, -1), weights)
+
+
+def moe_experts_torch(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: ExpertWeights
+) -> torch.Tensor:
+    """Slots grouped by expert, each expert once on its slice (grouped GEMM), combined in slot order."""
+    t, k = topk_ids.shape
+    used = topk_ids >= 0  # [T, K]
+    slot_expert = topk_ids[used]  # [S]
+    slot_token = torch.arange(t, device=x.device)[:, None].expand(t, k)[used]  # [S]
+    order = torch.argsort(slot_expert, stable=True)  # [S] slots sorted by expert
+    sorted_expert = slot_expert[order]
+    offsets = torch.cumsum(torch.bincount(slot_expert, minlength=bank.w1.shape[0]), 0).to(torch.int32)  # [E]
+    xs = x[slot_token[order]]  # [S, D]
+
+    def grouped(w: Weight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        out = _grouped_mm(h, float_weight(w, h.dtype), offsets)
+        return out if b is None else out + b[sorted_expert]
+
+    first = grouped(bank.w1, bank.b1, xs)
+    if bank.w3 is not None:
+        h = glu(bank.activation, first, grouped(bank.w3, bank.b3, xs), bank.swiglu)
+    else:
+        h = ACTIVATIONS[bank.activation](first)
+    sorted_out = grouped(bank.w2, bank.b2, h)  # [S, D]
+    slot_out = torch.empty_like(sorted_out)
+    slot_out[order] = sorted_out
+    per_slot = x.new_zeros(t, k, x.shape[-1])  # [T, K, D]
+    per_slot[used] = slot_out
+    # Combine in slot order with fixed weights: no atomics, so a token's sum is batch-independent.
+    return (per_slot.float() * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert, weight [E, out, in], offsets [E] group ends -> [S, out]."""
+    grouped_mm = getattr(F, "grouped_mm", None)  # torch >= 2.9
+    # It takes rows whose strides are multiples of 16 bytes only (an adapter of 6 units, say, is not).
+    aligned = all(n * x.element_size() % 16 == 0 for n in weight.shape[1:])
+    if grouped_mm is not None and aligned and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    # Older torch, unaligned rows, or CUDA in fp32/fp16 (its grouped GEMM takes bf16): pad groups to the
+    # largest, one bmm.
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()  # [E]
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [S]
+    row_in_group = torch.arange(x.shape[0], device=x.device) - (offsets.long() - counts)[expert_of_row]
+    capacity = int(counts.max()) if x.shape[0] else 0
+    padded = x.new_zeros(len(counts), capacity, x.shape[1])  # [E, C, in]
+    padded[expert_of_row, row_in_group] = x
+    out = torch.bmm(padded, weight.transpose(1, 2))  # [E, C, out]
+    return out[expert_of_row, row_in_group]
+
+
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    cache: tuple[torch.Tensor, torch.Tensor] | None,
+    causal: bool,
+    scale: float,
+    relative: RelativeTerm | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence at a time: gather its keys (from its blocks, or its own rows), mask by position, SDPA
+    (with sinks, the softmax written out: SDPA has no extra denominator term)."""
+    out = torch.empty_like(q)
+    start = 0
+    for s, n in enumerate(batch.seq_lens):
+        rows = slice(start, start + n)
+        start += n
+        num_keys = batch.num_keys_host[s]
+        if cache is None:
+            first = int(batch.seq_starts[s])
+            keys, values = k[first : first + num_keys], v[first : first + num_keys]  # [S_k, G, Dh]
+        else:
+            keys, values = gather_sequence(cache, batch.block_tables[s], num_keys)  # type: ignore[index]
+        query_pos = batch.positions[rows]  # [n]
+        lo = 0  # keys before every query's window or chunk are not read (their blocks may be gone)
+        if window is not None:
+            lo = max(lo, int(query_pos.min()) - window + 1)
+        if chunk is not None:
+            lo = max(lo, int(query_pos.min()) // chunk * chunk)
+        keys, values = keys[lo:], values[lo:]
+        key_pos = torch.arange(lo, num_keys, device=q.device)
+        allowed = (
+            key_pos[None, :] <= query_pos[:, None]
+            if causal
+            else torch.ones(n, num_keys, dtype=torch.bool, device=q.device)
+        )
+        if window is not None:
+            allowed &= key_pos[None, :] > query_pos[:, None] - window
+        if chunk is not None:
+            allowed &= key_pos[None, :] // chunk == query_pos[:, None] // chunk
+        mask = torch.zeros(allowed.shape, device=q.device, dtype=torch.float32).masked_fill(~allowed, float("-inf"))
+        qs = q[rows].transpose(0, 1)  # [H, n, Dh]
+        if relative is not None:
+            distance = query_pos[:, None] - key_pos[None, :] + relative.offset  # [n, S_k]
+            r_rows = relative.r_k[distance.clamp(0, relative.r_k.shape[0] - 1)]  # [n, S_k, H, Dh]
+            positional = torch.einsum("nhd,nshd->hns", relative.q_rel[rows].float(), r_rows.float())
+            mask = mask[None] + positional * scale  # [H, n, S_k]
+        if sinks is not None:
+            out[rows] = _attention_with_sinks(qs, keys, values, mask, scale, sinks).transpose(0, 1)
+            continue
+        o = F.scaled_dot_product_attention(
+            qs,
+            keys.transpose(0, 1).to(q.dtype),
+            values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask.to(q.dtype),
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def _attention_with_sinks(
+    qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """qs [H, n, Dh], keys/values [S_k, G, Dh], mask [n, S_k] -> [H, n, Dh]: softmax over the scores and, per
+    head, the sink logit (not scaled; it weights no value), in fp32."""
+    h = qs.shape[0]
+    group = h // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S_k, Dh]
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qs.float(), k.transpose(1, 2)) * scale + mask  # [H, n, S_k]
+    sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).to(qs.dtype)
+
+
+def gather_sequence(
+    cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first num_keys cached keys and values, in order: [num_keys, G, Dh] each."""
+    k_cache, v_cache = cache
+    blocks = block_table[: -(-num_keys // k_cache.shape[-1])].long()
+    keys = k_cache[blocks].permute(0, 3, 1, 2).reshape(-1, *k_cache.shape[1:3])[:num_keys]
+    values = v_cache[blocks].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:num_keys]
+    return keys, values
