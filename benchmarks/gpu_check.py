@@ -900,7 +900,7 @@ def why_no_gpu(probe_phase: Phase) -> str | None:
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's goal figures on the large model, reported (not asserted)."""
+    """The goal figures on the large model, reported (not asserted)."""
     large = report["phases"].get("bench-large", {}).get("data", {})
     graphs = large.get("graphs", {}).get("decode", {})
     eager = large.get("eager", {}).get("decode", {})

@@ -1,4 +1,4 @@
-"""The onnxruntime backend against the torch backend, in one run on the same machine (issue: ONNX export):
+"""The onnxruntime backend against the torch backend, in one run on the same machine:
 
     python -m benchmarks.onnx_backend [--models tiny,medium] [--reps 3]
 

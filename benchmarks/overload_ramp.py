@@ -1,4 +1,4 @@
-"""experts_per_token "auto" against a fixed k under an overload ramp (issue 16): a real `moe-serve serve` with a
+"""experts_per_token "auto" against a fixed k under an overload ramp: a real `moe-serve serve` with a
 latency target (--target-itl-ms) and a small waiting queue (--max-waiting, so overload ends in 429s), offered
 load (requests/s, open loop: arrivals do not wait for answers) ramped up in stages, run twice: every request
 at the model's max k, then every request "auto". Per stage: throughput (generated tokens/s), inter-token

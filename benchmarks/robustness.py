@@ -1,4 +1,4 @@
-"""The hardening figures (issue 11), measured against a real `moe-serve serve` process on the demos:
+"""The hardening figures, measured against a real `moe-serve serve` process on the demos:
 
 1. peak memory of one /v1/score request with 32 inputs of about 4,000 tokens;
 2. a small request's latency alone and while twelve 900 KB prompts arrive at once;

@@ -1,4 +1,4 @@
-"""Starvation by long scoring work (issue 28, item 1): a short completion's latency while one /v1/score of
+"""Starvation by long scoring work: a short completion's latency while one /v1/score of
 16 inputs of about 4,000 tokens runs on the same model, against its latency alone, through a real server on
 127.0.0.1 serving a bundled demo model.
 

@@ -1,5 +1,4 @@
-"""The cost of per-request k inside vLLM, in one run on the same machine (issue: vLLM with per-request
-experts_per_token):
+"""The cost of per-request k inside vLLM, in one run on the same machine:
 
     python -m benchmarks.vllm_plugin [--models tiny,medium] [--batches 1,16,64] [--reps 3]
 

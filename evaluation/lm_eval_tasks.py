@@ -10,10 +10,10 @@
         --tasks shakespeare_next_line,shakespeare_ppl,shakespeare_speaker \\
         --model_args model=shakespeare-smoe:k1,base_url=http://127.0.0.1:8000/v1/completions,max_length=1024,custom_prefix_token_id=10
 
-The k goes in the model name (`:k1`); the tokenizer comes from the server's /tokenize. The LMs bundled
-before issue 32 have no BOS or EOS token, so `custom_prefix_token_id=10` (a newline byte) is the context
-that scores a document's first byte. LMs trained with BOS and EOS (<|endoftext|>, id 256: the recipes since
-issue 32) name it in `/tokenizer_info`, and lm-eval runs without the option; but lm-eval reads the token's id
+The k goes in the model name (`:k1`); the tokenizer comes from the server's /tokenize. LMs trained
+without a BOS or EOS token (the first bundled demos), so `custom_prefix_token_id=10` (a newline byte) is the context
+that scores a document's first byte. LMs trained with BOS and EOS (<|endoftext|>, id 256: the recipes
+now) name it in `/tokenizer_info`, and lm-eval runs without the option; but lm-eval reads the token's id
 as /tokenize's first id of its text, which the server tokenizes literally ('<', 60), so pass
 `custom_prefix_token_id=256` (the `bos_token_id` of `/tokenizer_info`) for the prefix the model trained with.
 """

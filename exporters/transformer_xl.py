@@ -17,7 +17,7 @@ post-LN; the output layer is tied to the embedding and keeps its bias; embedding
 Special tokens: a model trained with BOS and EOS (model.bos_token_id / eos_token_id in its training
 record: the byte tokenizer's <|endoftext|>) gets them in its config, with add_bos_token, so that every
 text prompt starts as its training windows did and generation ends at EOS; a record without them (the
-demos bundled before issue 32) gets neither.
+first bundled demos, trained without BOS and EOS) gets neither.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from moe_serve.errors import ArtifactError, ValidationError
+from moe_serve.layers import routers  # noqa: F401  (registers the router kinds a config names, before parsing)
 from moe_serve.model_config import ModelConfig
 from moe_serve.quality import QualityTable
 from moe_serve.tokenizer import Tokenizer

@@ -159,8 +159,8 @@ def settings_sha256(record: dict) -> str:
     """What every seed of a recipe shares (steps, optimizer, model, split, precision, thread count, torch
     version...)."""
     settings = {key: value for key, value in record.items() if key not in RUN_KEYS}
-    # The classifiers train in fp32 only, as they always have, but their records named no precision before
-    # issue 32: the same setting either way, so the seeds bundled then keep counting.
+    # The classifiers train in fp32 only, as they always have, but their first records named no precision:
+    # the same setting either way, so the seeds bundled then keep counting.
     if settings.get("task") == "sequence_classification" and settings.get("precision") == "fp32":
         del settings["precision"]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()

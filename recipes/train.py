@@ -76,7 +76,7 @@ RECIPES = {
     "smoe-lm": Recipe("lm", "smoe", 1500, 16, 128, 2e-3),
     "hypermoe-lm": Recipe("lm", "hypermoe", 1500, 16, 128, 2e-3, TOP1),
     # tau = d / 2. The MoE input is post-LN (x_i . x_i ~ d = 128), so tau sets how far a token looks past
-    # itself. At tau = 1 (the demo bundled before issue 32) mean self-weight S_ii was 0.96-0.996 and plain
+    # itself. At tau = 1 (the first bundled demo) mean self-weight S_ii was 0.96-0.996 and plain
     # routing moved bits per byte by 0.0001; two seeds at tau = sqrt(d) (as scaled dot-product attention)
     # kept S_ii at 0.82-0.88 and plain routing moved them by +0.0010 and -0.0003 at k = 2: the tokens a
     # token mixes with at that temperature are its near-copies, whose gate probabilities are its own. On
@@ -125,7 +125,7 @@ def optimizer_step(
 
 def byte_stream(held_out: bool, eos_token_id: int | None = None) -> torch.Tensor:
     """The split's plays as one token stream: each play's UTF-8 bytes and then EOS (a document ends
-    there); without an EOS (the LMs bundled before issue 32), the plays joined by a blank line."""
+    there); without an EOS (the first bundled LMs), the plays joined by a blank line."""
     plays = shakespeare.split(held_out)
     if eos_token_id is None:
         return torch.tensor(list("\n\n".join(p.text for p in plays).encode("utf-8")), dtype=torch.long)

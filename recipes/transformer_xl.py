@@ -50,7 +50,7 @@ class TXLConfig:
     switch_router: bool = False
     # The byte tokenizer's <|endoftext|> (moe_serve.tokenizer): the training stream ends every play with
     # it (EOS) and every training window starts with it (BOS), as the served model sees a prompt when
-    # its config says add_bos_token. None: trained without (the demos bundled before issue 32).
+    # its config says add_bos_token. None: trained without (the first bundled demos).
     bos_token_id: int | None = 256
     eos_token_id: int | None = 256
 

@@ -77,7 +77,7 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
         return f"malformed JSON in the request body: {error.get('msg', '')}", None
     if error.get("type") == "missing":
         return f"{param} is required", param
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")  # our validators' own words
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")  # the validators' own words
     if param and message.startswith(f"{param}["):  # it names the place itself (`prompt[1][3] is null`)
         return message, param
     return (f"{param}: {message}" if param else message), param

@@ -90,7 +90,7 @@ RequestK = Annotated[StrictInt, Field(ge=1)] | Literal["auto"]
 logger = logging.getLogger(__name__)
 
 # Per-request bounds on lists whose every item is work before anything is generated: rendering a chat template
-# over 20,000 messages took seconds, decoding 200,000 ids delayed other requests by one (issue 28). A
+# over 20,000 messages took seconds, decoding 200,000 ids delayed other requests by one. A
 # conversation or a token list longer than these is refused with a 400 naming the field and the bound.
 MAX_MESSAGES = 2048  # chat completions and /tokenize
 MAX_DETOKENIZE_TOKENS = 1 << 16  # /detokenize

@@ -284,4 +284,5 @@ class StreamHeader:
         self, choices: Sequence[p.CompletionChunkChoice | p.ChatChunkChoice], usage: p.Usage | None = None
     ) -> p.StreamChunk:
         chunk_class = p.CompletionChunk if self.kind == "text_completion" else p.ChatCompletionChunk
-        return chunk_class(id=self.id, created=self.created, model=self.model, choices=list(choices), usage=usage)
+        fields = {"id": self.id, "created": self.created, "model": self.model, "choices": list(choices)}
+        return chunk_class.model_validate({**fields, "usage": usage})  # the choices must be the kind's

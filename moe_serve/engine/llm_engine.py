@@ -301,7 +301,9 @@ class LLMEngine:
             return
         seq.token_ids.append(token)
         if params.logprobs is not None:
-            seq.output_logprobs.append(sampled.logprobs[row])
+            logprob = sampled.logprobs[row]
+            assert logprob is not None, "the sampler computes a log-probability for every row that asks"
+            seq.output_logprobs.append(logprob)
             seq.top_logprobs.append(sampled.top_logprobs[row])
         detokenizer = self._detokenizers[id(seq)]
         stop = detokenizer.add(token)

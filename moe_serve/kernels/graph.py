@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_serve.kernels.rotary import apply_rotary
-from moe_serve.kernels.vocabulary import ACTIVATIONS, ExpertWeights, RelativeTerm, glu
+from moe_serve.kernels.vocabulary import ACTIVATIONS, ExpertWeights, RelativeTerm, Weight, glu
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,8 @@ def moe_experts(
     flat_ids = topk_ids.reshape(-1)  # [M * K] slot -> expert
     per_slot = x.new_zeros(m * k, x.shape[-1])  # [M * K, D]
 
-    def linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, e: int) -> torch.Tensor:
+    def linear(h: torch.Tensor, w: Weight, b: torch.Tensor | None, e: int) -> torch.Tensor:
+        assert isinstance(w, torch.Tensor), "the ONNX export takes float weights only"
         out = torch.matmul(h, w[e].transpose(0, 1))
         return out if b is None else out + b[e]
 

@@ -1,4 +1,4 @@
-"""The Batch API when its data dir fails (issue 28, items 2 to 4), without a model: a full disk or an I/O
+"""The Batch API when its data dir fails, without a model: a full disk or an I/O
 error pauses a batch, which resumes with nothing lost once space comes back; a line's own failure is that
 line's error; a batch given up on still gets its output file; a data dir that cannot be used (a file, a
 corrupt database) is a StorageError naming it, with its lock released; a failed upload leaves no bytes

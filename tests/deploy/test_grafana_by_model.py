@@ -1,4 +1,4 @@
-"""The Grafana dashboard never pools models (issue 28, item 10): every query is filtered by the `model`
+"""The Grafana dashboard never pools models: every query is filtered by the `model`
 template variable and every aggregation keeps `model`, so the expert-load heatmap does not add different
 models' experts into the same cells; latency by k is split by endpoint too. (Whether every query returns data
 from a real Prometheus is test_prometheus.py.)"""

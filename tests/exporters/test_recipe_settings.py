@@ -1,4 +1,4 @@
-"""Issue 32's recipe settings, proven on tiny configs: the graph-routing LMs at k = 2 of 8 and the controls
+"""The recipes' settings, proven on tiny configs: the graph-routing LMs at k = 2 of 8 and the controls
 (smoe-top1-lm, hypermoe-lb-lm) train, export and fold exactly at every k; the plain-routing diagnostic
 measures what the graph mixing adds; HyperMoE's load-balancing loss is the released Switch code's; the
 training precision is recorded and splits the settings; an LM trained with BOS and EOS exports them for
@@ -269,8 +269,8 @@ def test_seed_summary_keeps_every_seeds_wall_time_and_diagnostics() -> None:
 
 def test_the_seeds_summary_records_the_k_each_recipe_trained_at() -> None:
     """What `eval --stored` marks, read from an exported artifact (MoEConfig.exact_ks): the LMs' k
-    schedule, the classifiers' k (SMEAR merges all N), none for a dense LM. (The graph demos' k change
-    with issue 32's retraining; their exports are checked in test_new_recipe_trains_exports_and_folds.)"""
+    schedule, the classifiers' k (SMEAR merges all N), none for a dense LM. (The graph demos' k changed
+    when they were retrained at k = 2; their exports are checked in test_new_recipe_trains_exports_and_folds.)"""
     expected = {
         "shakespeare-smoe": [4, 5, 6, 7, 8],
         "shakespeare-hyperrouter": [4, 5, 6, 7, 8],

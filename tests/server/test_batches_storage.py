@@ -1,4 +1,4 @@
-"""The Files and Batch API over a real uvicorn server when its data dir fails (issue 28, items 2 to 4): a
+"""The Files and Batch API over a real uvicorn server when its data dir fails: a
 corrupt database or a data dir that cannot be used is a 503 naming it on these routes while the model keeps
 serving (and the server starts); a full disk is a 507 that leaves no partial upload behind; the quota on
 stored files; and a batch that meets a full disk pauses, counts it in /metrics, and completes."""

@@ -1,4 +1,4 @@
-"""Issue 28, item 1 over HTTP: a request's total work (prompts or inputs x tokens) is bounded by
+"""Fair scoring over HTTP: a request's total work (prompts or inputs x tokens) is bounded by
 `max_request_tokens`, refused with a 400 that names it; large scoring and echo responses are built and
 rendered off the event loop (the same JSON as before), so /health answers while they are."""
 

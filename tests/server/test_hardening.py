@@ -1,4 +1,4 @@
-"""What an attacker or an unlucky client can send, item by item (issue 11): each one is refused at the
+"""What an attacker or an unlucky client can send, item by item: each one is refused at the
 edge with a clear status, or served, and never hurts another request or the server."""
 
 from __future__ import annotations

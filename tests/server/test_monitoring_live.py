@@ -1,4 +1,4 @@
-"""The monitoring tells the truth while work runs (issue 28, items 9 and 10): generated tokens are counted as
+"""The monitoring tells the truth while work runs: generated tokens are counted as
 they are generated, not when a request finishes, and the built-in dashboard's latency is of a recent window,
 split by model and endpoint."""
 

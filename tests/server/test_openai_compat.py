@@ -1,6 +1,6 @@
-"""What third-party clients rely on (issue 12, in part): GET /v1/models/{id}, vLLM's tokenizer endpoints,
-chat logprobs and content parts, Hugging Face's chat-template environment, and every OpenAI/vLLM field we
-do not implement refused by name."""
+"""What third-party clients rely on: GET /v1/models/{id}, vLLM's tokenizer endpoints,
+chat logprobs and content parts, Hugging Face's chat-template environment, and every OpenAI/vLLM field not
+implemented refused by name."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_content_given_as_text_parts(client: httpx.Client) -> None:
     assert response.status_code == 400 and "messages" in response.json()["error"]["param"]
 
 
-# ---- every field we do not implement: refused by name, unless it says "off" ---------------------------
+# ---- every field not implemented: refused by name, unless it says "off" ---------------------------
 
 ON_VALUES = {
     "length_penalty": 0.5, "bad_words": ["x"], "allowed_token_ids": [5, 6], "spaces_between_special_tokens": False,

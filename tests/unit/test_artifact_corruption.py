@@ -1,4 +1,4 @@
-"""Corrupted artifacts, by class (issue 11): every copy either fails to load with one clear error (no
+"""Corrupted artifacts, by class: every copy either fails to load with one clear error (no
 traceback, no hang, nothing allocated from absurd sizes) or loads and then serves every endpoint it has.
 Nothing loads and then fails."""
 

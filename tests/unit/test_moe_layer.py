@@ -62,8 +62,8 @@ def run(block: MoEBlock, x: torch.Tensor, mask: torch.Tensor, ks: list[int]) -> 
         return unpack(block(pack(x, mask), packed_batch(mask.sum(1).tolist(), ks), 0), mask)
 
 
-def route(logits: torch.Tensor, top_k: torch.Tensor, max_k: int, config: RouterConfig):
-    return router_class(config.kind)(config, logits.shape[1]).route(logits, top_k, max_k)
+def route(logits: torch.Tensor, token_k: torch.Tensor, max_k: int, config: RouterConfig):
+    return router_class(config.kind)(config, logits.shape[1]).route(logits, token_k, max_k)
 
 
 @pytest.fixture(params=KERNELS, autouse=True)

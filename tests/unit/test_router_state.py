@@ -25,7 +25,7 @@ class _CausalMean(Router):
     def state_size(cls, num_experts: int, hidden_size: int) -> int:
         return num_experts
 
-    def route(self, logits, top_k, max_k, state: RouterState | None = None):
+    def route(self, logits, token_k, max_k, state: RouterState | None = None):
         assert state is not None
         probs = torch.softmax(logits, dim=-1)  # [T, N]
         batch = state.batch
@@ -38,7 +38,7 @@ class _CausalMean(Router):
             else:  # the bug the test must catch: only the tokens of this step
                 mine = (batch.seq_ids[: t + 1] == seq).nonzero()[:, 0]
                 mixed[t] = probs[mine].mean(0)
-        return reference.topk_route_torch(mixed.log(), top_k, max_k, Weighting.SOFTMAX_CHOSEN)
+        return reference.topk_route_torch(mixed.log(), token_k, max_k, Weighting.SOFTMAX_CHOSEN)
 
 
 @register("test_causal_mean")

@@ -286,7 +286,7 @@ def test_online_fit_keeps_its_shape_when_every_chunk_has_the_same_context() -> N
     assert costs.chunk_seconds(32, 0) == pytest.approx(2 * 32 * (0.001 + 0.00002 * 16), rel=0.02)
 
 
-# ---- long prompts share the engine (issue 28: one 16-input /v1/score held a 4-token completion for 49.6 s) ----
+# ---- long prompts share the engine (one 16-input /v1/score once held a 4-token completion for 49.6 s) ----
 
 
 def make_fair(

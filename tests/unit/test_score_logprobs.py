@@ -1,4 +1,4 @@
-"""SCORE log-probabilities are built for the whole step at once (issue 28): one lm_logits, one log_softmax,
+"""SCORE log-probabilities are built for the whole step at once: one lm_logits, one log_softmax,
 one gather and one topk over every scored row of the step, and the same numbers as per position."""
 
 from __future__ import annotations

@@ -92,9 +92,9 @@ def test_fixed_rows_keep_their_k() -> None:
     """A fixed-k token in a top-p batch (cut = inf, min = max = k) takes exactly k, whatever the others."""
     logits = logits_with_ties()
     rows = logits.shape[0]
-    top_k = torch.arange(rows) % N + 1
-    k = ops.top_p_k(logits, torch.full((rows,), math.inf), top_k, top_k, N)
-    assert k.tolist() == top_k.tolist()
+    token_k = torch.arange(rows) % N + 1
+    k = ops.top_p_k(logits, torch.full((rows,), math.inf), token_k, token_k, N)
+    assert k.tolist() == token_k.tolist()
 
 
 @pytest.mark.parametrize("router", TOKEN_ROUTERS.values(), ids=TOKEN_ROUTERS.keys())

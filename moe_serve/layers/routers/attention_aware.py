@@ -28,7 +28,7 @@ import torch
 from moe_serve.config_schema import check_float
 from moe_serve.errors import ConfigError
 from moe_serve.kernels import ops, reference
-from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import RouterConfig, register
 
@@ -75,7 +75,7 @@ class AttentionAware(Router):
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> RouteOutput:
         if state is None or state.attention is None:
             raise ValueError("attention-aware routing needs the layer's attention and the step's tokens")
         head = self.heads[state.moe_layer]

@@ -31,7 +31,7 @@ import torch
 
 from moe_serve.config_schema import check_choice, check_float, check_size
 from moe_serve.errors import ConfigError
-from moe_serve.kernels.vocabulary import sigmoid
+from moe_serve.kernels.vocabulary import RouteOutput, sigmoid
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import RouterConfig, register
 
@@ -97,7 +97,7 @@ class GroupedTopK(Router):
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> RouteOutput:
         s = self.settings
         rows, n = logits.shape
         scores = sigmoid(logits) if s.score == "sigmoid" else torch.softmax(logits, dim=-1)  # [R, N]
@@ -121,7 +121,7 @@ class GroupedTopK(Router):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + NORMALIZE_EPS)
         if s.scale != 1.0:
             weights = weights * s.scale
-        return ids.masked_fill(~used, -1), weights
+        return RouteOutput(ids.masked_fill(~used, -1), weights)
 
     @classmethod
     def reachable_k(cls, config: GroupedTopKConfig, num_experts: int) -> int:

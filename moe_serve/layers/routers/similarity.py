@@ -26,7 +26,7 @@ import torch
 
 from moe_serve.config_schema import check_float
 from moe_serve.kernels import ops
-from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import RouterConfig, register
 
@@ -56,7 +56,7 @@ class Similarity(Router):
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> RouteOutput:
         if state is None:
             raise ValueError("similarity routing needs the step's tokens and their sequences (a RouterState)")
         return ops.topk_route(mix(logits, state, self.tau).log(), token_k, max_k, self.weighting)

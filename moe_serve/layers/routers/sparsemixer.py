@@ -25,7 +25,7 @@ import torch
 
 from moe_serve.config_schema import check_float
 from moe_serve.kernels import ops
-from moe_serve.kernels.vocabulary import Weighting
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import RouterConfig, register
 
@@ -56,7 +56,7 @@ class SparseMixer(Router):
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> RouteOutput:
         # The top k by logit, -1 beyond a row's k; the kernel's weights are not sparsemixer's (computed below).
         ids, _ = ops.topk_route(logits, token_k, max_k, Weighting.UNIFORM)  # [R, K]
         used = ids >= 0
@@ -74,7 +74,7 @@ class SparseMixer(Router):
             weights.append(gates.gather(1, expert))
             taken = taken | (experts[None, :] == expert)
         weight = torch.cat(weights, dim=1)
-        return ids, torch.where(used, weight, torch.zeros_like(weight))
+        return RouteOutput(ids, torch.where(used, weight, torch.zeros_like(weight)))
 
     @classmethod
     def is_approximate(cls, k: int, num_experts: int, trained_k: int) -> bool:

@@ -11,7 +11,7 @@ import math
 import torch
 
 from moe_serve.kernels import ops
-from moe_serve.kernels.vocabulary import Weighting, sigmoid
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting, sigmoid
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import register
 
@@ -24,10 +24,10 @@ class TopKSigmoid(Router):
 
     def route(
         self, logits: torch.Tensor, token_k: torch.Tensor, max_k: int, state: RouterState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> RouteOutput:
         ids, _ = ops.topk_route(logits, token_k, max_k, Weighting.UNIFORM)  # the top k by logit, -1 beyond k
         weights = sigmoid(logits.float().gather(1, ids.clamp(min=0)))
-        return ids, torch.where(ids >= 0, weights, torch.zeros_like(weights))
+        return RouteOutput(ids, torch.where(ids >= 0, weights, torch.zeros_like(weights)))
 
     def reference_weights(self, logits: list[float], chosen: list[int]) -> list[float]:
         return [1.0 / (1.0 + math.exp(-logits[e])) for e in chosen]
