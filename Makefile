@@ -49,7 +49,8 @@ test: install-test lint test-triton
 	$(MAKE) test-vllm
 
 # The Triton (CUDA) kernels on CPU tensors under Triton's interpreter, in a process of their own (the variable
-# must be set before any kernel is defined); their sm_90 builds are checked in tests/unit/test_cuda_compile.py.
+# must be set before any kernel is defined); their sm_90 builds are checked in
+# tests/unit/kernels/cuda/test_cuda_compile.py.
 test-triton: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/triton
 

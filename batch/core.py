@@ -23,7 +23,8 @@ from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.errors import EngineOverloadedError, EngineStoppedError, MoEServeError, ValidationError
 
 T = TypeVar("T")
-REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
+LineRequest = p.CompletionRequest | p.ChatCompletionRequest | p.ClassifyRequest | p.ScoreRequest
+REQUEST_MODELS: dict[str, type[LineRequest]] = {
     "/v1/completions": p.CompletionRequest,
     "/v1/chat/completions": p.ChatCompletionRequest,
     "/v1/classify": p.ClassifyRequest,
@@ -89,13 +90,16 @@ async def _run(
         is_chat = isinstance(request, p.ChatCompletionRequest)
         job = await models.prepare(prepare_chat if is_chat else prepare_completion, inputs, request, limits)
         results, scores = await job.gather(engine, engine.submit(job.requests) if job.generate else [])
+        body: p.ChatCompletionResponse | p.CompletionResponse
         if is_chat:
-            body = responses.chat_response(name, job, results[0], inputs.tokenizer, item.line_id)  # type: ignore[index]
+            assert results is not None, "a chat request always generates"
+            body = responses.chat_response(name, job, results[0], inputs.tokenizer, item.line_id)
         else:
             body = responses.completion_response(name, job, results, inputs.tokenizer, item.line_id, scores)
         completion_tokens = sum(r.num_generated_tokens for r in results or [])
         return LineResult(response_line(item, 200, body.model_dump()), item.line, job.prompt_tokens, completion_tokens)
     pooled = await models.prepare(prepare_pooling, inputs, request, limits)
+    data: p.ClassifyResponse | p.ScoreResponse
     if pooled.kind == "classify":
         data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, pooled.k))
     else:

@@ -131,7 +131,8 @@ def parse_input(
         seen.add(custom_id)
         body = record["body"]
         model = body.get("model") or default_model
-        for k in ks or [None]:
+        line_ks: list[int] | list[None] = ks or [None]  # None: the body's own experts_per_token
+        for k in line_ks:
             parsed.items.append(BatchItem(number, custom_id, record["url"], body, model, k, record.get("label"), scope))
     return parsed
 

@@ -42,17 +42,20 @@ def ray_chunk_runner(address: str | None, num_workers: int, engine_config: Engin
             for worker in workers:  # one chunk per worker at a time keeps every worker busy
                 chunk = next(queue, None)
                 if chunk is not None:
-                    in_flight[worker.run.remote(chunk)] = worker
+                    # ray types `.remote` on @ray.method methods only, which need ray imported (it is optional).
+                    in_flight[worker.run.remote(chunk)] = worker  # type: ignore[attr-defined]
             while in_flight:
                 done, _ = ray.wait(list(in_flight), num_returns=1)
                 worker = in_flight.pop(done[0])
                 yield ray.get(done[0])
                 chunk = next(queue, None)
                 if chunk is not None:
-                    in_flight[worker.run.remote(chunk)] = worker
+                    in_flight[worker.run.remote(chunk)] = worker  # type: ignore[attr-defined]  # as above
         finally:
             for worker in workers:
-                ray.kill(worker)
+                # ActorClass.remote is typed ActorHandle | type[T] (the latter for method completion); it
+                # returns an ActorHandle, which is what kill takes.
+                ray.kill(worker)  # type: ignore[arg-type]
             if started_here:
                 ray.shutdown()
 

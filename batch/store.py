@@ -224,7 +224,7 @@ class Store:
         return self._db
 
     def _remove_orphans(self) -> None:
-        known = {row["id"] for row in self._db.execute("SELECT id FROM files").fetchall()}
+        known = {row["id"] for row in self._connection().execute("SELECT id FROM files").fetchall()}
         for path in self.files_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)

@@ -101,7 +101,7 @@ class BenchSettings:
     build_floor_s: float = 20.0
 
 
-# The bench worker's path in seconds on a CPU (tests/unit/test_gpu_check.py): tiny runs, the same code.
+# The bench worker's path in seconds on a CPU (tests/bench/test_gpu_check.py): tiny runs, the same code.
 QUICK = BenchSettings(
     batches=(1, 4),
     prompt_len=8,

@@ -29,7 +29,7 @@ def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str
         elif base == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = _PARSERS.get(meta.get("type")) or _TYPES.get(base, str)
+            kwargs["type"] = _PARSERS.get(meta.get("type", "")) or _TYPES.get(base, str)
             kwargs["choices"] = meta.get("choices")
             kwargs["metavar"] = f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else None

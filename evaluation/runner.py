@@ -51,12 +51,13 @@ def evaluate(
     items = dataset_inputs(dataset, task, max_items, llm.inputs.max_model_len)
     texts = [text for text, _ in items]
     # (k of the row, k asked for, policy): a dense model is asked for no k; its rows keep the k given.
-    runs = [(k, k if llm.config.moe else None, None) for k in ks] + [(None, None, p) for p in policies or []]
+    runs: list[tuple[int | None, int | None, MoEPolicy | None]] = [(k, k if llm.config.moe else None, None) for k in ks]
+    runs += [(None, None, p) for p in policies or []]
     for _, k, policy in runs:  # every run is checked before the first starts
         llm.inputs.resolve(k, policy)
     rows = []
     with tqdm(total=len(runs) * len(texts), desc=f"eval {name}", unit="text", disable=not progress) as bar:
-        for row_k, k, policy in runs:
+        for fixed_k, k, policy in runs:
             results: list = []
             for start in range(0, len(texts), BATCH):
                 chunk = texts[start : start + BATCH]
@@ -68,8 +69,9 @@ def evaluate(
                 metrics = {"bits_per_byte": bits_per_byte(logprob, num_bytes)}
             else:
                 metrics = classification_metrics([label or "" for _, label in items], [r.label for r in results])
-            if policy is not None:
-                row_k = ExpertCounts.total(r.experts for r in results).mean  # where the policy sits on the plot
+            # A policy's row sits on the plot where it costs: at the mean k its tokens took.
+            row_k = fixed_k if policy is None else ExpertCounts.total(r.experts for r in results).mean
+            assert row_k is not None, "a policy runs on an MoE model, which counts every scored token's experts"
             label = policy.name if policy is not None else None
             weights = llm.artifact.weight_format
             rows += [

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -132,7 +133,9 @@ class ServingContext:
                 f"{request.experts_per_token}",
                 parameter="experts_per_token",
             )
-        return served, request.model_copy(update={"experts_per_token": k})
+        fixed = copy.copy(request)  # a copy of its own fields (pydantic's __copy__): the request is unchanged
+        fixed.experts_per_token = k
+        return served, fixed
 
 
 def split_k_suffix(name: str | None, served: dict[str, ServedModel]) -> tuple[str | None, int | None]:
@@ -149,7 +152,7 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _merged(streams: list[AsyncIterator[RequestUpdate]]) -> AsyncIterator[tuple[int, RequestUpdate]]:
+async def _merged(streams: Sequence[AsyncIterator[RequestUpdate]]) -> AsyncIterator[tuple[int, RequestUpdate]]:
     """Interleave several request streams as their updates arrive; cancelling the consumer cancels all
     (each stream's cleanup then aborts its request in the engine)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -191,7 +194,8 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
     streams = served.engine.submit(job.requests) if job.generate else []
     ctx.metrics.count_tokens(served.name, k_label(job.reported_k, job.k), streams)  # as they are generated
     if request.stream:
-        tokenizer, sent = served.artifact.tokenizer, collections.Counter()
+        tokenizer = served.artifact.tokenizer
+        sent: collections.Counter[tuple[int, int]] = collections.Counter()
 
         def choice(prompt_index: int, update: SequenceUpdate) -> p.CompletionChunkChoice:
             key = (prompt_index, update.index)

@@ -11,7 +11,8 @@ from moe_serve.kernels import ops
 from moe_serve.layers.batch import AdaptiveK, ForwardBatch
 from moe_serve.moe_policy import KSpec
 
-KERNELS = ["cpu", "torch"]
+# The two CPU paths a test runs on: the C++ kernels' case carries their marker (skipped where they do not build).
+KERNELS = [pytest.param("cpu", marks=pytest.mark.cpu_kernels), "torch"]
 
 
 def use_kernels(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
@@ -19,6 +20,8 @@ def use_kernels(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
     if which == "torch":
         monkeypatch.setattr(ops, "_cpu_ext", lambda x: None)
     elif ops._cpu_ext(torch.zeros(1)) is None:
+        # Only for a "cpu" case without the cpu_kernels marker (one not parametrized by KERNELS): skipped here
+        # rather than failing on the torch path.
         pytest.skip("the CPU kernels are not built on this machine")
 
 

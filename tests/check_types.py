@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.import_graph import ROOT, installed_modules
 

@@ -162,5 +162,5 @@ def test_every_package_folder_is_listed_for_the_wheel() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             on_disk.add(".".join((top, *init.parent.relative_to(ROOT / folder).parts)))
     assert on_disk ^ set(setuptools["packages"]) == set()
-    assert setuptools["package-data"]["moe_serve.kernels"] == ["csrc/*.cpp"]
+    assert setuptools["package-data"]["moe_serve.kernels"] == ["csrc/*.cpp", "csrc/*.h"]
     assert list((ROOT / "moe_serve" / "kernels" / "csrc").glob("*.cpp"))

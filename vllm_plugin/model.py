@@ -59,12 +59,13 @@ class MoeServeAttention(Attention):
         super().__init__(config)
         self.shards = shards
         dh = self.head_dim
+        full_q, full_k = self.num_heads * dh, self.num_kv_heads * dh  # a "full" q/k norm's width, all heads
         self.num_heads = shards.split(self.num_heads)[1]
         self.num_kv_heads = shards.kv_heads(self.num_kv_heads)[1]
         h, g = self.num_heads, self.num_kv_heads
         if self.qk_norm == "full" and shards.size > 1:
-            self.q_norm = ShardedRMSNorm(self.q_norm.weight.numel(), config.norm_eps, shards)
-            self.k_norm = ShardedRMSNorm(self.k_norm.weight.numel(), config.norm_eps, shards)
+            self.q_norm = ShardedRMSNorm(full_q, config.norm_eps, shards)
+            self.k_norm = ShardedRMSNorm(full_k, config.norm_eps, shards)
         self.attn = VllmAttention(
             h, dh, self.scale, num_kv_heads=g, cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn"
         )
@@ -168,7 +169,8 @@ class MoeServeForCausalLM(MoETransformer):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
 
-    def forward(
+    # vLLM's call shape, not MoETransformer's: vLLM calls this model, moe-serve's engine never does.
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,

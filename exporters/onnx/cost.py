@@ -62,7 +62,11 @@ def main() -> None:
     parser.add_argument("--decode", default="16x128", help="ROWSxPAST_TOKENS")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    shape = lambda text: tuple(int(n) for n in text.split("x"))
+
+    def shape(text: str) -> tuple[int, int]:
+        rows, tokens = (int(n) for n in text.split("x"))
+        return rows, tokens
+
     results = measure(args.directory, args.rounds, shape(args.prefill), shape(args.decode))
     if args.json:
         print(json.dumps(results, indent=2))

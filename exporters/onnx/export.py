@@ -128,6 +128,7 @@ def _example(config: ModelConfig, batch: int, new: int, past: int, seed: int) ->
     ks = torch.linspace(low, high, batch).round().long()
     if not config.is_causal:
         return input_ids, mask, ks
+    assert config.num_kv_heads is not None and config.head_dim is not None  # completed by ModelConfig
     shape = (batch, config.num_kv_heads, past, config.head_dim)
     pasts = [torch.randn(shape, generator=generator) for _ in range(2 * config.num_layers)]
     return (input_ids, mask, ks, *pasts)

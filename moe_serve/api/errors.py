@@ -4,6 +4,7 @@ exception to what a client sees; anything unexpected becomes a 500 that reveals 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
 OBJECT_FIELDS = frozenset({"moe"})
 
 
-def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """pydantic's first error as one message naming the top-level field."""
     error = errors[0]
     location = [str(part) for part in error.get("loc", ())]

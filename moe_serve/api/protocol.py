@@ -351,7 +351,7 @@ class DetokenizeRequest(_Request):
 
 # A request that names a model and a k (what a `name:k<k>` model name applies to), as one type variable: a
 # function that resolves one hands back the same request class.
-ModelRequest = TypeVar("ModelRequest", CompletionRequest, ChatCompletionRequest, ClassifyRequest, ScoreRequest)
+ModelRequest = TypeVar("ModelRequest", bound=CompletionRequest | ChatCompletionRequest | ClassifyRequest | ScoreRequest)
 
 
 # ---- responses ----------------------------------------------------------------------------------

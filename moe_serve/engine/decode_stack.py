@@ -8,7 +8,7 @@ of the kernels' weightings, no shared expert, residuals unscaled, fp32 activatio
 (the attention's scale is handed over; the embedding and logit scales apply outside the layers). Everything
 else, and every step that is not decode-only, runs the Python layers. Both paths call the same kernels with the
 same operands in the same order, so a token's result does not depend on which ran
-(tests/unit/test_decode_stack.py checks it bitwise).
+(tests/unit/engine/test_decode_stack.py checks it bitwise).
 """
 
 from __future__ import annotations

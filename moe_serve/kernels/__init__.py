@@ -28,7 +28,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 NAME = "moe_serve_cpu_kernels"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"  # the C++ sources: the .cpp files compiled, the .h files they include
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -73,14 +73,30 @@ def cflags() -> tuple[str, ...]:
     return CFLAGS + ("-mno-avx512f",) if _avx2_forced() else CFLAGS
 
 
-def cache_dir() -> Path:
-    """Where this exact build lives: keyed by the source, the flags, torch, Python and the machine, so a
-    changed kernel or a different interpreter never loads a stale library."""
+def source_files(directory: Path = CSRC) -> list[Path]:
+    """Every C++ file of the extension in `directory` (not its subfolders): the .cpp files the build compiles
+    and the .h files they include, sorted by name so that the key and the build see them in one order."""
+    return sorted((p for p in directory.iterdir() if p.suffix in (".cpp", ".h") and p.is_file()), key=lambda p: p.name)
+
+
+def compiled_sources(directory: Path = CSRC) -> list[Path]:
+    """The translation units: the .cpp files of source_files, in its order."""
+    return [p for p in source_files(directory) if p.suffix == ".cpp"]
+
+
+def cache_dir(source_dir: Path = CSRC) -> Path:
+    """Where this exact build lives: keyed by every source and header (names and contents), the flags,
+    torch, Python and the machine, so a changed kernel or a different interpreter never loads a stale
+    library. `source_dir`: the C++ sources to key (csrc/; another folder for the tests)."""
     root = Path(os.environ.get("MOE_SERVE_KERNEL_CACHE") or Path.home() / ".cache" / "moe-serve" / "kernels")
     import torch
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((cflags(), LDFLAGS)).encode(), torch.__version__.encode()):
+    for path in source_files(source_dir):  # each file's name and length first: no two layouts hash alike
+        data = path.read_bytes()
+        key.update(f"{path.name} {len(data)}\n".encode())
+        key.update(data)
+    for part in (repr((cflags(), LDFLAGS)).encode(), torch.__version__.encode()):
         key.update(part)
     key.update(f"{sys.version_info[:2]} {platform.machine()} {cpu_flags()}".encode())
     return root / key.hexdigest()[:16]
@@ -111,7 +127,7 @@ def _build(directory: Path, library: Path) -> None:
     scratch.mkdir()
     load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in compiled_sources()],
         extra_cflags=list(cflags()),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(scratch),

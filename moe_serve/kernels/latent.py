@@ -8,7 +8,7 @@ keys and values per head would take H * (nope + rope + v).
 Layout, per layer: one tensor [NB, BS, C]; row (block, offset) holds the token at that slot of the block
 manager, as the K/V cache's slots do, so prefill, chunked prefill, a prefix-cache hit and decode read and
 write the same rows. On the CPU, with float32 queries and cache, the attention is the C++ kernel
-(csrc/cpu_kernels.cpp, latent_attention: an online softmax per query and head, each cache row read once for a
+(csrc/latent_attention.cpp: an online softmax per query and head, each cache row read once for a
 block of heads, any block size; a row's result is bitwise the same whatever it is batched with). Elsewhere (CUDA,
 bf16, no cache, MOE_SERVE_KERNELS=torch) it is plain torch: one sequence at a time, scaled_dot_product_attention
 on its gathered rows, or a decode-only step in one batched product. Neither has a static form: both read

@@ -22,6 +22,7 @@ from moe_serve.kernels.vocabulary import (
     Weight,
     Weighting,
     float_weight,
+    gather_sequence,
     glu,
 )
 
@@ -201,14 +202,3 @@ def _attention_with_sinks(
     sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v).to(qs.dtype)
-
-
-def gather_sequence(
-    cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, num_keys: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's first num_keys cached keys and values, in order: [num_keys, G, Dh] each."""
-    k_cache, v_cache = cache
-    blocks = block_table[: -(-num_keys // k_cache.shape[-1])].long()
-    keys = k_cache[blocks].permute(0, 3, 1, 2).reshape(-1, *k_cache.shape[1:3])[:num_keys]
-    values = v_cache[blocks].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:num_keys]
-    return keys, values

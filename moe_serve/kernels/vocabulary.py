@@ -76,7 +76,7 @@ def row_invariant(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch
     silu, tanh-gelu and log1p take a vectorised or a scalar path by the tensor's size, and the two differ in
     the last bit, so a token's result moved with its batch (silu: a row among 9 rows of 4 against the row
     alone); in float64 both paths are far below the rounding. relu, erf-gelu, exp and softmax need none of
-    this (tested: tests/unit/test_row_invariance.py). Other devices compute every element alike, and the ONNX
+    this (tested: tests/unit/kernels/test_row_invariance.py). Other devices compute every element alike, and the ONNX
     tracer records the plain op."""
 
     def wrapped(x: torch.Tensor) -> torch.Tensor:
@@ -177,3 +177,14 @@ def cache_shapes(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def gather_sequence(
+    cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first num_keys cached keys and values, in order: [num_keys, G, Dh] each."""
+    k_cache, v_cache = cache
+    blocks = block_table[: -(-num_keys // k_cache.shape[-1])].long()
+    keys = k_cache[blocks].permute(0, 3, 1, 2).reshape(-1, *k_cache.shape[1:3])[:num_keys]
+    values = v_cache[blocks].permute(0, 2, 1, 3).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:num_keys]
+    return keys, values

@@ -50,8 +50,9 @@ class Attention(nn.Module):
         if self.qk_norm is not None:
             # per_head: one RMSNorm over each head's Dh (Qwen3-MoE); full: over all heads at once (OLMoE).
             q_dim, k_dim = (dh, dh) if config.qk_norm == "per_head" else (h * dh, g * dh)
-            self.q_norm = RMSNorm(q_dim, config.norm_eps)
-            self.k_norm = RMSNorm(k_dim, config.norm_eps)
+            # nn.Module: the vLLM plugin swaps in a norm over its rank's heads (vllm_plugin.model.ShardedRMSNorm).
+            self.q_norm: nn.Module = RMSNorm(q_dim, config.norm_eps)
+            self.k_norm: nn.Module = RMSNorm(k_dim, config.norm_eps)
         if config.position == "relative":
             # Transformer-XL: projection of the sinusoidal relative embedding and the two learned biases.
             self.r_proj = nn.Linear(d, h * dh, bias=False)

@@ -17,7 +17,7 @@ prefix-cache hits and decode. Wuk and Wuv are the rows of kv_b_proj, per head. T
 ops.linear (the C++ kernels on the CPU; packed weights too, except kv_b_proj, which is read as Wuk / Wuv).
 
 Rotary applies to the P rope dims only, rotate-half style: DeepSeek's interleaved pairs are de-interleaved in
-the rows of the q and kv_a projections at export (exporters/hf_deepseek.py), which leaves every q . k unchanged.
+the rows of the q and kv_a projections at export (exporters/hf/deepseek.py), which leaves every q . k unchanged.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from moe_serve.server.middleware import error_response
 from moe_serve.server.routes.openai import ERRORS as API_ERRORS
 
 T = TypeVar("T")
-ERRORS = {**API_ERRORS, 507: API_ERRORS[503]}  # 507: the data dir is full (or its quota reached)
+# 507: the data dir is full (or its quota reached)
+ERRORS: dict[int | str, dict[str, Any]] = {**API_ERRORS, 507: API_ERRORS[503]}
 STORAGE_RETRY_AFTER = "30"  # seconds a client is told to wait when the data dir fails
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from moe_serve.api import protocol as p
@@ -9,7 +11,9 @@ from moe_serve.server import serving
 from moe_serve.server.serving import split_k_suffix
 
 router = APIRouter(prefix="/v1")
-ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": p.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
 
 
 @router.post("/completions", response_model=p.CompletionResponse, responses=ERRORS)

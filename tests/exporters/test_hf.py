@@ -13,6 +13,7 @@ import torch
 from moe_serve import LLM, SamplingParams
 from moe_serve.exporters.base import ExportError, ExportOptions
 from moe_serve.exporters.hf import ARCHITECTURES, export_hf
+from tests.conftest import edit_config
 from tests.exporters.hf_models import MODELS, NUM_EXPERTS, build_hf_model, save_hf_model
 
 NO_PROGRESS = ExportOptions(progress=False)
@@ -120,30 +121,24 @@ def test_sharded_checkpoint_with_index_and_bf16_storage(tmp_path: Path) -> None:
     torch.testing.assert_close(our_logits(llm, input_ids, 2), expected, atol=1e-4, rtol=1e-4)
 
 
-def _edit_config(src: Path, **changes) -> None:
-    config = json.loads((src / "config.json").read_text())
-    config.update(changes)
-    (src / "config.json").write_text(json.dumps(config))
-
-
 def test_unsupported_and_broken_sources_fail_before_writing(tmp_path: Path) -> None:
     src = save_hf_model("olmoe", tmp_path / "hf")
     dst = tmp_path / "dst"
 
-    _edit_config(src, architectures=["LlamaForCausalLM"])
+    edit_config(src, architectures=["LlamaForCausalLM"])
     with pytest.raises(
         ExportError,
         match=re.escape(f"unsupported architecture LlamaForCausalLM; supported: {', '.join(ARCHITECTURES)}") + "$",
     ):
         export_hf(src, dst, NO_PROGRESS)
-    _edit_config(src, architectures=["OlmoeForCausalLM"], moe_intermediate_size=1, intermediate_size=50)
+    edit_config(src, architectures=["OlmoeForCausalLM"], moe_intermediate_size=1, intermediate_size=50)
     with pytest.raises(
         ExportError,
         match=r"checkpoint tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[48, 64\], "
         r"expected \[50, 64\]",
     ):
         export_hf(src, dst, NO_PROGRESS)
-    _edit_config(src, intermediate_size=48, num_hidden_layers=3)
+    edit_config(src, intermediate_size=48, num_hidden_layers=3)
     with pytest.raises(ExportError, match="checkpoint tensor 'model.layers.2.input_layernorm.weight' is missing"):
         export_hf(src, dst, NO_PROGRESS)
     assert not dst.exists() and [p.name for p in tmp_path.iterdir()] == ["hf"]

@@ -39,6 +39,7 @@ from moe_serve.model_config import ExpertsPerToken, MoEConfig
 from moe_serve.moe_policy import MoEPolicy
 from moe_serve.summary import format_summary, summarize
 from moe_serve.tokenizer import END_OF_TEXT, byte_level_tokenizer
+from tests.conftest import edit_config
 from tests.exporters.parity import (
     NO_PROGRESS,
     TOP,
@@ -336,12 +337,6 @@ def test_every_path_that_cannot_serve_latent_attention_refuses_it_by_name(export
     assert llm.engine.runner.decode_stack is None
 
 
-def _edit_config(src: Path, **changes) -> None:
-    config = json.loads((src / "config.json").read_text())
-    config.update(changes)
-    (src / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("name", "changes", "message"),
     [
@@ -364,7 +359,7 @@ def _edit_config(src: Path, **changes) -> None:
 )
 def test_what_cannot_be_served_exactly_is_refused_at_export_by_name(tmp_path, exported, name, changes, message) -> None:
     src = shutil.copytree(exported[name][0], tmp_path / "src")
-    _edit_config(src, **changes)
+    edit_config(src, **changes)
     with pytest.raises(ExportError, match=message):
         export_hf(src, tmp_path / "dst", NO_PROGRESS)
     assert not (tmp_path / "dst").exists()

@@ -30,6 +30,7 @@ from moe_serve.exporters.base import ExportError
 from moe_serve.exporters.hf import export_hf
 from moe_serve.layers.routers import router_class, router_config
 from moe_serve.moe_policy import MoEPolicy
+from tests.conftest import edit_config
 from tests.exporters.hf_models import FAMILIES, LONGROPE_ORIGINAL, NUM_EXPERTS, save_hf_model
 from tests.exporters.parity import LOGITS_ATOL, NEW, NO_PROGRESS, PROMPT, Engines, check_parity, export_all
 
@@ -153,34 +154,28 @@ def test_granite_conventions_in_the_artifact(exported) -> None:
     assert not shared.moe.shared_expert_gate and shared.moe.default_k == 3
 
 
-def _edit_config(src: Path, **changes) -> None:
-    config = json.loads((src / "config.json").read_text())
-    config.update(changes)
-    (src / "config.json").write_text(json.dumps(config))
-
-
 def test_what_cannot_be_served_exactly_is_refused_by_name(tmp_path: Path, caplog) -> None:
     phi = save_hf_model("phimoe", tmp_path / "phi")
     dst = tmp_path / "dst"
-    _edit_config(phi, sliding_window=32)  # transformers' Phi slides in every layer: served as such
+    edit_config(phi, sliding_window=32)  # transformers' Phi slides in every layer: served as such
     windowed = LLM(export_hf(phi, tmp_path / "window", NO_PROGRESS)).config
     assert [a.window for a in windowed.layer_attention] == [32, 32]
-    _edit_config(phi, sliding_window=1024)  # wider than every position served: nothing to serve
+    edit_config(phi, sliding_window=1024)  # wider than every position served: nothing to serve
     with caplog.at_level(logging.WARNING):
         assert LLM(export_hf(phi, tmp_path / "wide-window", NO_PROGRESS)).config.layer_attention is None
     assert "max_position_embeddings 512 is capped to it" in caplog.text
     qwen = save_hf_model("qwen2_moe", tmp_path / "qwen")
-    _edit_config(qwen, use_sliding_window=True, sliding_window=16)  # its own rule for which layers slide
+    edit_config(qwen, use_sliding_window=True, sliding_window=16)  # its own rule for which layers slide
     with pytest.raises(ExportError, match="use_sliding_window is not supported .sliding_window 16, shorter"):
         export_hf(qwen, dst, NO_PROGRESS)
-    _edit_config(phi, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
+    edit_config(phi, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(ExportError, match="rope type 'yarn' is not supported for phimoe .supported: default, longrope"):
         export_hf(phi, dst, NO_PROGRESS)
     granite = save_hf_model("granitemoe", tmp_path / "granite")
-    _edit_config(granite, residual_multiplier=None)
+    edit_config(granite, residual_multiplier=None)
     with pytest.raises(ExportError, match="residual_multiplier must be a number; got None"):
         export_hf(granite, dst, NO_PROGRESS)
-    _edit_config(granite, residual_multiplier=0.0)
+    edit_config(granite, residual_multiplier=0.0)
     with pytest.raises(ExportError, match=r"residual_scale must be in \(0, 1e\+06\]"):
         export_hf(granite, dst, NO_PROGRESS)
     assert not dst.exists()
@@ -263,7 +258,7 @@ def test_gpt_oss_mxfp4_experts_import_as_their_dequantized_values(tmp_path: Path
 
 def test_paths_without_windows_or_sinks_refuse_gpt_oss_by_name(exported, tmp_path: Path) -> None:
     """The ONNX export and CUDA graphs name what they lack (the vLLM plugin: tests/vllm/test_plugin_offline.py;
-    the decode stack: tests/unit/test_decode_stack.py); the engine serves the model eagerly."""
+    the decode stack: tests/unit/engine/test_decode_stack.py); the engine serves the model eagerly."""
     from moe_serve.engine.decode_graphs import unsupported_reason
     from moe_serve.exporters.onnx.export import export_onnx
 

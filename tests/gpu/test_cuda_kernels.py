@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moe_serve.kernels import cuda, ops
-from moe_serve.kernels.reference import attention_torch, gather_sequence, moe_experts_torch, topk_route_torch
-from moe_serve.kernels.vocabulary import AttentionBatch, ExpertWeights, Weighting, cache_shapes
+from moe_serve.kernels.reference import attention_torch, moe_experts_torch, topk_route_torch
+from moe_serve.kernels.vocabulary import AttentionBatch, ExpertWeights, Weighting, cache_shapes, gather_sequence
 
 pytestmark = pytest.mark.gpu
 

@@ -7,17 +7,13 @@ read that should not happen shows in the output. Shapes are tiny: each program c
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from moe_serve.kernels import reference
 from moe_serve.kernels.vocabulary import AttentionBatch, cache_shapes
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels run on CPU under TRITON_INTERPRET=1 only"
-)
+pytestmark = pytest.mark.triton_interp
 
 BLOCK_SIZE = 16
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -4,8 +4,6 @@ Tiny model, few tokens: each Triton program costs milliseconds here."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from tests.conftest import NUM_EXPERTS, lm_config, moe_config
 from tests.host_reads import HostReads
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
+    pytest.mark.triton_interp,
     pytest.mark.slow,  # about 20 s each: every kernel of every layer, program by program
 ]
 

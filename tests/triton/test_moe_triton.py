@@ -6,8 +6,6 @@ bf16 results to nearest even, as the GPU does."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,9 +13,7 @@ from moe_serve.kernels import reference
 from moe_serve.kernels.cuda import moe as triton_moe
 from moe_serve.kernels.vocabulary import ExpertWeights
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
-)
+pytestmark = pytest.mark.triton_interp
 
 
 K = 4

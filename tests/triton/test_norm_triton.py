@@ -5,17 +5,13 @@ for skipped slots, left alone)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from moe_serve.kernels.vocabulary import cache_shapes
 from moe_serve.layers.positions import apply_rotary, rotary_cos_sin
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels run on CPU under TRITON_INTERPRET=1 only"
-)
+pytestmark = pytest.mark.triton_interp
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 

@@ -5,8 +5,6 @@ integer, to static_moe.align over random routings with unused slots, block sizes
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,9 +12,7 @@ from moe_serve.kernels import reference, static_moe
 from moe_serve.kernels.cuda import routing
 from moe_serve.kernels.vocabulary import Weighting
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
-)
+pytestmark = pytest.mark.triton_interp
 
 
 def logits_batch(rows: int, experts: int, seed: int) -> torch.Tensor:

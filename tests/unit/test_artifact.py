@@ -9,29 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from moe_serve import LLM
-from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, load_artifact, save_artifact, sha256_file
+from moe_serve.artifact import CONFIG_FILE, WEIGHTS_FILE, load_artifact, save_artifact
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.model_config import ModelConfig
 from moe_serve.testing import random_state_dict
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
-from tests.conftest import classifier_config, lm_config
-
-
-def edit_config(path: Path, edit) -> None:
-    manifest = json.loads((path / CONFIG_FILE).read_text())
-    edit(manifest)
-    (path / CONFIG_FILE).write_text(json.dumps(manifest))
-
-
-def edit_weights(path: Path, edit) -> None:
-    """Rewrite model.safetensors and record its new checksum, so only the tensor problem remains."""
-    tensors = load_file(path / WEIGHTS_FILE)
-    edit(tensors)
-    save_file(tensors, path / WEIGHTS_FILE)
-    edit_config(path, lambda m: m["checksums"].__setitem__(WEIGHTS_FILE, sha256_file(path / WEIGHTS_FILE)))
+from tests.conftest import classifier_config, edit_config, edit_weights, lm_config
 
 
 @pytest.mark.parametrize("config", [lm_config(), classifier_config()], ids=["causal_lm", "classifier"])

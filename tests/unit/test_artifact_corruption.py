@@ -23,8 +23,6 @@ from moe_serve.artifact import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, load_a
 from moe_serve.cli import main
 from moe_serve.errors import MoEServeError
 from moe_serve.quality import QUALITY_FILE
-from moe_serve.testing import create_random_artifact
-from tests.conftest import classifier_config, lm_config
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 Mutation = Callable[[Path], None]
@@ -224,12 +222,9 @@ for _field in ("classifier", "classifier.labels", "classifier.pooling", "classif
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pristine")
-    return {
-        "lm": create_random_artifact(root / "lm", lm_config(chat_template=TEMPLATE), seed=1),
-        "clf": create_random_artifact(root / "clf", classifier_config(), seed=2),
-    }
+def pristine(tiny_model) -> dict[str, Path]:
+    """The artifacts every corruption starts from: each test corrupts a copy of one."""
+    return {"lm": tiny_model(seed=1, chat_template=TEMPLATE), "clf": tiny_model("classifier", seed=2)}
 
 
 def serves(path: Path) -> None:

@@ -13,10 +13,8 @@ from tests.conftest import NUM_EXPERTS, classifier_config, lm_config
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    from moe_serve.testing import create_random_artifact
-
-    return LLM(create_random_artifact(tmp_path_factory.mktemp("api") / "lm", lm_config(), seed=5))
+def llm(tiny_llm) -> LLM:
+    return tiny_llm(seed=5)
 
 
 BAD_CALLS = {

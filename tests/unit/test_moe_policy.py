@@ -9,15 +9,14 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.errors import ValidationError
 from moe_serve.layers.routers import router_config
 from moe_serve.moe_policy import KSpec, MoEPolicy
-from moe_serve.testing import create_random_artifact
 from tests.conftest import NUM_EXPERTS, classifier_config, lm_config, moe_config
 
 TEXT = "Now is the winter of our discontent"
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    return LLM(create_random_artifact(tmp_path_factory.mktemp("policy") / "lm", lm_config(), seed=3))
+def llm(tiny_llm) -> LLM:
+    return tiny_llm(seed=3)
 
 
 BAD_POLICIES = {

@@ -21,8 +21,7 @@ from moe_serve.quantize import quantize_artifact
 from moe_serve.testing import random_state_dict
 from moe_serve.tokenizer import Tokenizer, byte_level_tokenizer
 from moe_serve.weights import packable_weights
-from tests.conftest import classifier_config, lm_config, moe_config
-from tests.unit.test_artifact import edit_config, edit_weights
+from tests.conftest import classifier_config, edit_config, edit_weights, lm_config, moe_config
 
 FORMATS = [f.value for f in PACKED_FORMATS]
 

@@ -19,6 +19,8 @@ from moe_serve.exporters.base import ExportOptions
 from moe_serve.exporters.hf import export_hf
 from tests.exporters.hf_models import ALL, save_hf_model
 
+pytestmark = pytest.mark.vllm_cpu
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 77, 190, 12, 43, 250, 9, 101]
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # vLLM's CPU attention

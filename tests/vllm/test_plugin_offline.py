@@ -21,6 +21,8 @@ from moe_serve.testing import create_random_artifact  # noqa: E402
 from tests.conftest import lm_config  # noqa: E402
 from tests.vllm.conftest import NUM_EXPERTS  # noqa: E402
 
+pytestmark = pytest.mark.vllm_cpu
+
 NEW_TOKENS = 12
 
 

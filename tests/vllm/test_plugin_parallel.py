@@ -2,7 +2,7 @@
 half the heads and half of every FFN, all-reduced) and expert parallelism (`enable_expert_parallel`: each
 rank with half the experts): greedy tokens equal moe-serve's own engine at several k in one batch. Also: a
 bf16 model keeps its routers in fp32.
-tests/unit/test_vllm_parallel.py checks the split layer by layer without vLLM."""
+tests/unit/vllm_plugin/test_vllm_parallel.py checks the split layer by layer without vLLM."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.exporters.base import ExportOptions
 from moe_serve.exporters.hf import export_hf
 from tests.exporters.hf_models import NUM_EXPERTS, save_hf_model
+
+pytestmark = pytest.mark.vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 77, 190, 12, 43, 250, 9, 101]

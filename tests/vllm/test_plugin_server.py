@@ -14,6 +14,8 @@ import pytest
 import moe_serve
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.vllm_cpu
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # token ids: no tokenizer differences
 
 

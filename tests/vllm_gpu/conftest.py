@@ -1,17 +1,16 @@
 """The plugin against vLLM's GPU build (0.33), installed without its CUDA parts beside the CPU torch
 (`make test-vllm-gpu`, .venv-vllm-gpu): its classes run on CPU tensors with VLLM_TARGET_DEVICE=cpu. Skipped
-where that build is not installed (the CPU build's tests are tests/vllm, in .venv-bench)."""
+where that build is not installed, or not run as that target runs it (the vllm_gpu marker's check,
+tests/conftest.py; the CPU build's tests are tests/vllm, in .venv-bench)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-pytest.importorskip("vllm.v1.worker.gpu.model_states", reason="vLLM's GPU build (make test-vllm-gpu)")
+from tests.conftest import skip_folder_without
 
-if os.environ.get("VLLM_TARGET_DEVICE") != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by make test-vllm-gpu (VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1)", allow_module_level=True)
+# Its test module imports vLLM at its top: without it, it cannot be collected, let alone skipped test by test.
+skip_folder_without("vllm_gpu")
 
 
 @pytest.fixture(autouse=True, scope="session")

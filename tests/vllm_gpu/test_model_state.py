@@ -17,6 +17,8 @@ from moe_serve.testing import create_random_artifact
 from moe_serve.vllm_plugin.requests import expand_k
 from tests.conftest import lm_config
 
+pytestmark = pytest.mark.vllm_gpu
+
 DEFAULT_K, MIN_K, MAX_K = 2, 1, 4
 MAX_REQS, MAX_TOKENS = 8, 64
 

@@ -7,7 +7,7 @@ token count), and what varies per row (its k, its sequence length) is read on th
 
 Triton is optional: without it (or with MOE_SERVE_KERNELS=torch) CUDA takes the plain-torch twins in ops.
 The CPU test suite runs these kernels under Triton's interpreter (TRITON_INTERPRET=1, tests/triton) and
-compiles every configuration in SM90_SPECS for sm_90 without a GPU (tests/unit/test_cuda_compile.py).
+compiles every configuration in SM90_SPECS for sm_90 without a GPU (tests/unit/kernels/cuda/test_cuda_compile.py).
 """
 
 from __future__ import annotations

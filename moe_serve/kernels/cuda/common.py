@@ -24,7 +24,7 @@ def interpreting() -> bool:
 @dataclass(frozen=True)
 class CompileSpec:
     """One kernel configuration to build ahead of time: `triton.compile(ASTSource(kernel, signature,
-    constexprs), target=GPUTarget("cuda", 90, 32))` (tests/unit/test_cuda_compile.py)."""
+    constexprs), target=GPUTarget("cuda", 90, 32))` (tests/unit/kernels/cuda/test_cuda_compile.py)."""
 
     name: str
     kernel: Any  # the @triton.jit function

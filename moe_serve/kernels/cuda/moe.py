@@ -336,7 +336,7 @@ def moe_experts(
     return out
 
 
-# ---- ahead-of-time configurations (tests/unit/test_cuda_compile.py) -----------------------------------
+# ---- ahead-of-time configurations (tests/unit/kernels/cuda/test_cuda_compile.py) --------------------
 
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

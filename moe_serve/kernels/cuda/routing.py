@@ -168,7 +168,7 @@ def _align_constexprs(num_slots: int, num_experts: int, block_m: int) -> dict[st
     }
 
 
-# ---- ahead-of-time configurations (tests/unit/test_cuda_compile.py) -----------------------------------
+# ---- ahead-of-time configurations (tests/unit/kernels/cuda/test_cuda_compile.py) --------------------
 
 
 def _specs() -> list[CompileSpec]:

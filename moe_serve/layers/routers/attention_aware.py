@@ -27,8 +27,8 @@ import torch
 
 from moe_serve.config_schema import check_float
 from moe_serve.errors import ConfigError
-from moe_serve.kernels import ops, reference
-from moe_serve.kernels.vocabulary import RouteOutput, Weighting
+from moe_serve.kernels import ops
+from moe_serve.kernels.vocabulary import RouteOutput, Weighting, gather_sequence
 from moe_serve.layers.routers.base import Router, RouterState
 from moe_serve.router_registry import RouterConfig, register
 
@@ -107,7 +107,7 @@ def mix(logits: torch.Tensor, state: RouterState, head: int, sigma: float) -> to
         rows = slice(start, start + n)
         if cache is not None:
             assert att.cache is not None
-            keys, values = reference.gather_sequence(att.cache, batch.block_tables[seq], total)  # type: ignore[index]
+            keys, values = gather_sequence(att.cache, batch.block_tables[seq], total)  # type: ignore[index]
             stored = cache.index_select(0, state.rows_of(seq, total))
             past_probs, past_cost = stored[:, :-1], stored[:, -1]
         else:

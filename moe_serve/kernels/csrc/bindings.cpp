@@ -1,0 +1,57 @@
+// The Python module of moe-serve's CPU kernels, moe_serve_cpu_kernels (moe_serve/kernels/__init__.py builds
+// every .cpp of this folder into one library): the parts of a step that PyTorch runs as many small ops or as
+// bandwidth-poor matrix-vector products. This file only binds them; each file opens with what it owns:
+//
+//   linear.cpp            linear, linear_packed (y = x W^T + b over fp32, bf16, int8 or int4 weights, W
+//                         streamed from memory once) and head_linear (latent attention's per-head maps)
+//   moe.cpp               moe_experts, moe_experts_packed (grouped experts, a slot-ordered combine) and
+//                         topk_route (top-k experts per row and their combine weights)
+//   attention.cpp         rms_norm, rotary_write (rotary and the paged KV cache's writes), paged_attention,
+//                         packed_attention
+//   latent_attention.cpp  latent_attention (DeepSeek's MLA, absorbed form, over its own paged cache)
+//   decode_stack.cpp      DecodeStack: every layer of a decode-only step in one call over the kernels above
+//
+// and the headers they share: common.h (includes, the legend of the names the comments use), vec.h (16-lane
+// float vectors: AVX-512, or AVX2 + FMA + F16C on CPUs without it; built with -march=native), formats.h
+// (weight formats and operands), linear.h (the dot-product blocks), attention.h (the online softmax).
+
+#include <torch/python.h>  // pybind11 and torch's casters; torch/extension.h adds the C++ frontend (7 s more)
+
+#include <map>
+
+#include "attention.h"
+#include "decode_stack.h"
+#include "latent_attention.h"
+#include "linear.h"
+#include "moe.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace moe_serve;
+  m.def("isa", [] { return std::string(ISA); }, "the vector instructions this build uses: avx512 or avx2");
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode step in one call")
+      .def(pybind11::init<int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_expert_load", &DecodeStack::set_expert_load)
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("num_layers", &DecodeStack::num_layers);
+  m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
+  m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
+  m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
+  m.def("moe_experts_packed", &moe_experts_packed, "moe_experts over packed banks (up: w1, w3; down: w2)");
+  m.def("weight_formats", [] {
+    std::vector<std::string> names;
+    for (const FormatInfo& f : FORMATS) names.push_back(f.name);
+    return names;
+  }, "the weight formats' names (moe_serve.kernels.packed.WeightFormat)");
+  m.def("topk_route", &topk_route, "top-k experts per row and their weights");
+  m.def("weighting_codes", [] {
+    return std::map<std::string, int64_t>{{"softmax_chosen", SOFTMAX_CHOSEN}, {"softmax_all", SOFTMAX_ALL}, {"uniform", UNIFORM}};
+  }, "topk_route's weighting codes by name");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
+  m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");
+  m.def("packed_attention", &packed_attention, "attention over packed (varlen) keys, online softmax");
+  m.def("head_linear", &head_linear, "per-head linear maps y[t, h] = w[h] x[t, h], rows independent of T");
+  m.def("latent_attention", &latent_attention,
+        "multi-head latent attention over its paged cache of rows (keys and values at once), online softmax");
+}
