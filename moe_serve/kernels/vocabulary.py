@@ -75,8 +75,9 @@ def row_invariant(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch
     """fn computed in float64 on the CPU and rounded back to the input's dtype. ATen's CPU loops for sigmoid,
     silu, tanh-gelu and log1p take a vectorised or a scalar path by the tensor's size, and the two differ in
     the last bit, so a token's result moved with its batch (silu: a row among 9 rows of 4 against the row
-    alone); in float64 both paths are far below the rounding. relu, erf-gelu, exp and softmax need none of
-    this (tested: tests/unit/kernels/test_row_invariance.py). Other devices compute every element alike, and the ONNX
+    alone; erf-gelu in bfloat16 on an AVX2 machine, though not with AVX-512: row 15 of 17 rows of 4); in
+    float64 both paths are far below the rounding. relu, exp and softmax need none of this (tested:
+    tests/unit/kernels/test_row_invariance.py, on every machine the tests run on). Other devices compute every element alike, and the ONNX
     tracer records the plain op."""
 
     def wrapped(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +93,7 @@ log1p = row_invariant(torch.log1p)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
-    "gelu": F.gelu,
+    "gelu": row_invariant(F.gelu),
     "gelu_tanh": row_invariant(lambda v: F.gelu(v, approximate="tanh")),
     "silu": row_invariant(F.silu),
 }
