@@ -6,9 +6,10 @@ the server), so that what a kill interrupts is only what was in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -32,12 +33,47 @@ REQUEST_MODELS: dict[str, type[LineRequest]] = {
 }
 logger = logging.getLogger("moe_serve.batch")
 OVERLOAD_PAUSE = 0.2  # seconds an item refused by a full engine queue waits before it is tried again
+# Prompt tokens a batch keeps in the engine at once (PrefillWindow): a few steps' worth (the engine's default
+# step budget is 2,048 tokens), so the engine stays busy while lines are answered and stored.
+MAX_IN_FLIGHT_TOKENS = 16_384
+
+
+class PrefillWindow:
+    """The prompt tokens a batch keeps in the engine at once, on top of its line count: a line, once
+    prepared (its tokens known), waits until they fit beside those in flight (a line larger than the
+    window runs alone). A line count alone let 64 lines of 4,000 tokens put 256,000 tokens of prefill in
+    the engine's queue. `limit()` is read again whenever a line finishes, so a server can narrow it while
+    interactive requests run."""
+
+    def __init__(self, limit: Callable[[], int] = lambda: MAX_IN_FLIGHT_TOKENS) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        # Made in the running event loop, and again in a later one (`moe-serve batch` runs each chunk of a file
+        # in an event loop of its own; every hold of the last one has ended by then).
+        self._changed: tuple[asyncio.AbstractEventLoop, asyncio.Condition] | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tokens: int) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        if self._changed is None or self._changed[0] is not loop:
+            self._changed = (loop, asyncio.Condition())
+        changed = self._changed[1]
+        async with changed:
+            await changed.wait_for(lambda: self.in_flight == 0 or self.in_flight + tokens <= self.limit())
+            self.in_flight += tokens
+        try:
+            yield
+        finally:
+            async with changed:
+                self.in_flight -= tokens
+                changed.notify_all()
 
 
 class LineModels(Protocol):
     """Where a line's model comes from: the command's engine pool, or the server's served models."""
 
     limits: RequestLimits
+    prefill: PrefillWindow  # the prompt tokens its lines keep in the engine at once
 
     def resolve(self, request: p.ModelRequest, item: BatchItem) -> tuple[str, AsyncEngine, p.ModelRequest]:
         """The model a line runs on (its name in responses, its engine) and the request as it serves it (a
@@ -86,10 +122,13 @@ async def _run(
     models: LineModels, name: str, engine: AsyncEngine, item: BatchItem, request: pydantic.BaseModel
 ) -> LineResult:
     inputs, limits = engine.inputs, models.limits
+    # A line is batch work: behind interactive requests in the engine (background), whatever endpoint it names.
     if isinstance(request, p.CompletionRequest | p.ChatCompletionRequest):
         is_chat = isinstance(request, p.ChatCompletionRequest)
         job = await models.prepare(prepare_chat if is_chat else prepare_completion, inputs, request, limits)
-        results, scores = await job.gather(engine, engine.submit(job.requests) if job.generate else [])
+        async with models.prefill.hold(job.prompt_tokens):
+            streams = engine.submit(job.requests, background=True) if job.generate else []
+            results, scores = await job.gather(engine, streams, background=True)
         body: p.ChatCompletionResponse | p.CompletionResponse
         if is_chat:
             assert results is not None, "a chat request always generates"
@@ -100,12 +139,13 @@ async def _run(
         return LineResult(response_line(item, 200, body.model_dump()), item.line, job.prompt_tokens, completion_tokens)
     pooled = await models.prepare(prepare_pooling, inputs, request, limits)
     data: p.ClassifyResponse | p.ScoreResponse
-    if pooled.kind == "classify":
-        data = responses.classify_response(name, pooled, await engine.classify(pooled.token_ids, pooled.k))
-    else:
-        data = responses.score_response(
-            name, pooled, await engine.score(pooled.token_ids, pooled.k, pooled.return_token_logprobs)
-        )
+    async with models.prefill.hold(pooled.prompt_tokens):
+        if pooled.kind == "classify":
+            classified = await engine.classify(pooled.token_ids, pooled.k, background=True)
+            data = responses.classify_response(name, pooled, classified)
+        else:
+            scored = await engine.score(pooled.token_ids, pooled.k, pooled.return_token_logprobs, background=True)
+            data = responses.score_response(name, pooled, scored)
     return LineResult(response_line(item, 200, data.model_dump()), item.line, pooled.prompt_tokens)
 
 

@@ -11,9 +11,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_serve.batch.core import LineModels, answer, run_items
+from moe_serve.batch.core import MAX_IN_FLIGHT_TOKENS, LineModels, answer, run_items
 from moe_serve.batch.jsonl import BatchItem, LineResult, ParsedInput, read_inputs
-from moe_serve.batch.store import BatchRecord, Store, is_storage_error
+from moe_serve.batch.store import BatchRecord, QuotaError, Store, is_storage_error
 from moe_serve.errors import EngineStoppedError, ValidationError
 from moe_serve.validation import check_int, check_number
 
@@ -29,6 +29,9 @@ class JobConfig:
     max_in_flight: int = 64  # lines in flight while no interactive request runs (the engine batches them)
     # ... and while one does: interactive requests go first, and the batch still moves.
     max_in_flight_busy: int = 1
+    # The prompt tokens of the lines in flight (core.PrefillWindow) while no interactive request runs; an eighth
+    # of it while one does (in_flight_tokens).
+    max_in_flight_tokens: int = MAX_IN_FLIGHT_TOKENS
     max_requests: int = 50_000  # lines per batch, as OpenAI allows
     retry_delay: float = 1.0  # seconds before a failed step is tried again, doubled with each failure in a row ...
     max_retry_delay: float = 60.0  # ... up to this
@@ -37,10 +40,15 @@ class JobConfig:
     def __post_init__(self) -> None:
         check_int("batch_max_in_flight", self.max_in_flight, 1)
         check_int("max_in_flight_busy", self.max_in_flight_busy, 1)
+        check_int("batch_max_in_flight_tokens", self.max_in_flight_tokens, 1)
         check_int("max_requests", self.max_requests, 1)
         check_number("retry_delay", self.retry_delay, 0.0, 3600.0)
         check_number("max_retry_delay", self.max_retry_delay, self.retry_delay, 3600.0)
         check_int("max_failures", self.max_failures, 1)
+
+    def in_flight_tokens(self, busy: bool) -> int:
+        """The prompt tokens in flight: all of max_in_flight_tokens, or an eighth while interactive requests run."""
+        return max(1, self.max_in_flight_tokens // 8) if busy else self.max_in_flight_tokens
 
 
 class BatchJobs:
@@ -171,7 +179,15 @@ class BatchJobs:
         elif batch.status == "in_progress":
             await self._run(batch, await loop.run_in_executor(None, self._parse, batch))
         else:  # finalizing, cancelling
-            self._store_unsaved(batch.id)
+            try:
+                self._store_unsaved(batch.id)
+            except QuotaError:
+                if batch.status != "cancelling":
+                    raise
+                # A cancelled batch ends with what is stored: answers over the quota go, so that a full quota
+                # never holds a cancel (finalizing moves the stored answers into files, taking no more room).
+                dropped = self._unsaved.pop(batch.id, {})
+                logger.warning("batch %s cancelled: %d answers over the quota dropped", batch.id, len(dropped))
             await loop.run_in_executor(None, self.store.finalize, batch.id)
             self._cancels.discard(batch.id)
 

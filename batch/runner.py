@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from moe_serve.api import protocol as p
 from moe_serve.api.errors import ApiError
-from moe_serve.batch.core import LineError, answer, error_result, run_items
+from moe_serve.batch.core import LineError, PrefillWindow, answer, error_result, run_items
 from moe_serve.batch.jsonl import BatchItem, LineResult, append, completed_ids, error_line, read_inputs
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine
@@ -48,6 +48,7 @@ class EnginePool:
         # Back-pressure comes from the number of items in flight, never from a 429.
         self.engine_config = dataclasses.replace(engine_config, max_waiting=1 << 30)
         self.limits = limits or RequestLimits()
+        self.prefill = PrefillWindow()  # its lines' prompt tokens in the engines at once
         self._engines: dict[str, AsyncEngine] = {}
 
     def get(self, name: str) -> AsyncEngine:

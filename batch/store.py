@@ -30,6 +30,9 @@ UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 PAGE = 1000  # result rows read at a time while finalizing (the lock is released between pages)
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 SQLITE_FULL = 13  # "database or disk is full"
+# The answers the quota counts: each as the output line it becomes (its JSON and a newline); a finalized
+# batch's answers are in its files, their text blanked here.
+STORED_ANSWERS = "SELECT coalesce(sum(length(CAST(output AS BLOB)) + 1), 0) FROM results WHERE output != ''"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
@@ -102,10 +105,11 @@ class StorageError(UnavailableError):
 
 
 class QuotaError(StorageError):
-    """An upload would take the stored files past --max-stored-bytes (507 naming the quota)."""
+    """Storing more would take the data dir past --max-stored-bytes: an upload gets 507 naming the quota, a
+    batch waits (its answers kept) until files are deleted."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, is_full=True, parameter="file")
+    def __init__(self, message: str, parameter: str | None = "file") -> None:
+        super().__init__(message, is_full=True, parameter=parameter)
 
 
 def is_storage_error(exc: BaseException) -> bool:
@@ -130,12 +134,18 @@ def storage_error(exc: BaseException, data_dir: Path, doing: str) -> StorageErro
 
 
 class Store:
-    def __init__(self, data_dir: Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, data_dir: Path, clock: Callable[[], float] = time.time, max_stored_bytes: int | None = None
+    ) -> None:
         """Open (creating) the data dir. Raises UnavailableError when another server holds it, StorageError
-        when it cannot be used (not a directory, read-only, a corrupt database); the lock is then released."""
+        when it cannot be used (not a directory, read-only, a corrupt database); the lock is then released.
+        max_stored_bytes: the quota (None: the disk's size) on every byte stored: files, answers, uploads
+        being written; each is taken from it before it is written, so that concurrent writers cannot pass it."""
         self.data_dir = data_dir
         self.files_dir = data_dir / "files"
         self.clock = clock
+        self.max_stored_bytes = max_stored_bytes
+        self._used = 0  # what the quota counts (under _mutex)
         self._lock_file: BinaryIO | None = None
         self._db: sqlite3.Connection | None = None
         try:
@@ -160,12 +170,17 @@ class Store:
             ) from None
         self._db = sqlite3.connect(data_dir / DATABASE, isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
+        # Incremental auto-vacuum (set before the first table: a new database): the pages a finalized batch's
+        # answers held go back to the disk, not only to SQLite's free list.
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         # WAL: a committed result survives the process being killed, at no fsync per line.
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         self._mutex = threading.RLock()  # the event loop and the finalizing thread share the connection
         self._remove_orphans()
+        (row,) = self._db.execute(f"SELECT coalesce(sum(bytes), 0) + ({STORED_ANSWERS}) AS n FROM files").fetchall()
+        self._used = int(row["n"])
 
     def _release(self) -> None:
         if self._db is not None:
@@ -230,44 +245,61 @@ class Store:
                 path.unlink(missing_ok=True)
 
     def stored_bytes(self) -> int:
-        """The bytes of every stored file (uploads and batch outputs): what --max-stored-bytes bounds."""
-        (row,) = self._query("SELECT coalesce(sum(bytes), 0) AS n FROM files")
-        return int(row["n"])
+        """What --max-stored-bytes bounds: every stored file (uploads, batch outputs), the answers in the
+        database of batches not finalized (each as the output line it becomes), uploads being written."""
+        with self._mutex:
+            return self._used
+
+    def _take(self, size: int, what: str, *, parameter: str | None = "file", check: bool = True) -> None:
+        """Count `size` bytes against the quota before they are written (QuotaError when they do not fit;
+        `check` False: count them regardless, for what must be stored for a batch to end)."""
+        with self._mutex:
+            room = None if self.max_stored_bytes is None else self.max_stored_bytes - self._used
+            if check and room is not None and size > room:
+                raise QuotaError(
+                    f"{what} would pass the data dir's quota, --max-stored-bytes {self.max_stored_bytes} bytes "
+                    f"({max(room, 0)} bytes left); delete files to make room",
+                    parameter,
+                )
+            self._used += size
+
+    def _give_back(self, size: int) -> None:
+        with self._mutex:
+            self._used -= size
 
     # ---- files ----------------------------------------------------------------------------------
 
-    def add_file(
-        self, source: BinaryIO, filename: str, purpose: str, *, max_stored_bytes: int | None = None
-    ) -> FileRecord:
-        """Copy an upload into the data dir (blocking: the server calls this in a thread). Nothing of it is
-        left behind when it fails: QuotaError when the stored files would pass `max_stored_bytes`,
-        StorageError when the data dir fails (a full disk)."""
+    def begin_upload(self) -> Upload:
+        """An upload written into the data dir as its bytes arrive (Upload.write, then commit or abort)."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        path, part = self.files_dir / file_id, self.files_dir / f"{file_id}.part"
-        room = None if max_stored_bytes is None else max_stored_bytes - self.stored_bytes()
+        with self._io("storing an upload"):
+            return Upload(self, file_id, open(self.files_dir / f"{file_id}.part", "wb"))  # noqa: SIM115
+
+    def add_file(self, source: BinaryIO, filename: str, purpose: str) -> FileRecord:
+        """Copy a file into the data dir (blocking): begin_upload, a write per MiB, commit. Nothing of it is
+        left behind when it fails: QuotaError past the quota, StorageError when the data dir fails."""
+        upload = self.begin_upload()
         try:
-            with self._io("storing an upload"):
-                size = 0
-                with open(part, "wb") as out:
-                    while chunk := source.read(1 << 20):
-                        size += len(chunk)
-                        if room is not None and size > room:
-                            raise QuotaError(
-                                f"the stored files would pass the data dir's quota, --max-stored-bytes "
-                                f"{max_stored_bytes} bytes ({max(room, 0)} bytes left); delete files to make room"
-                            )
-                        out.write(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
-                part.rename(path)
-                record = FileRecord(file_id, filename, purpose, size, self.now())
+            while chunk := source.read(1 << 20):
+                upload.write(chunk)
+            return upload.commit(filename, purpose)
+        finally:
+            upload.abort()  # nothing, once committed
+
+    def _commit_upload(self, upload: Upload, filename: str, purpose: str) -> FileRecord:
+        with self._io("storing an upload"):
+            upload.out.flush()
+            os.fsync(upload.out.fileno())
+            upload.out.close()
+            path = self.files_dir / upload.file_id
+            upload.part.rename(path)
+            record = FileRecord(upload.file_id, filename, purpose, upload.size, self.now())
+            try:
                 with self._transaction() as db:
                     db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
-        except BaseException:
-            for leftover in (part, path):
-                with contextlib.suppress(OSError):
-                    leftover.unlink(missing_ok=True)
-            raise
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
         return record
 
     def get_file(self, file_id: str, parameter: str = "file_id") -> FileRecord:
@@ -291,7 +323,7 @@ class Store:
         return [FileRecord(**dict(r)) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> None:
-        self.get_file(file_id)
+        record = self.get_file(file_id)
         with self._transaction() as db:
             user = db.execute(
                 f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({_marks(UNFINISHED)})",
@@ -303,6 +335,7 @@ class Store:
                     parameter="file_id",
                 )
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self._give_back(record.bytes)
         with contextlib.suppress(OSError):  # the row is gone: bytes left behind are removed at the next open
             (self.files_dir / file_id).unlink(missing_ok=True)
 
@@ -380,9 +413,30 @@ class Store:
     # ---- results --------------------------------------------------------------------------------
 
     def add_results(self, batch_id: str, results: list[LineResult]) -> None:
-        """Store answered lines; a line stored already keeps its first answer (a line is answered once)."""
-        with self._transaction() as db:
-            _insert_results(db, batch_id, results)
+        """Store answered lines; a line stored already keeps its first answer (a line is answered once).
+        QuotaError when they do not fit the quota: the batch waits, its answers kept by the caller."""
+        self._insert_results(batch_id, results, check=True)
+
+    def _insert_results(
+        self, batch_id: str, results: list[LineResult], *, check: bool = False, db: sqlite3.Connection | None = None
+    ) -> None:
+        """Insert answers (in `db`'s transaction, or in one of their own), counted against the quota."""
+        rows = [(r.item_line, int(r.is_ok), r.prompt_tokens, r.completion_tokens, to_json(r.line)) for r in results]
+        size = sum(len(row[-1].encode("utf-8")) + 1 for row in rows)  # + 1: the newline of its output line
+        self._take(size, "the batch's answers", parameter=None, check=check)
+        stored = 0
+        try:
+            with contextlib.ExitStack() as stack:
+                target = db if db is not None else stack.enter_context(self._transaction())
+                for row in rows:
+                    if target.execute(
+                        "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?)", (batch_id, *row)
+                    ).rowcount:
+                        stored += len(row[-1].encode("utf-8")) + 1
+        except BaseException:
+            self._give_back(size)
+            raise
+        self._give_back(size - stored)  # lines answered already keep their first answer
 
     def expire(self, batch_id: str, results: list[LineResult]) -> bool:
         """An in-progress batch past its window: the lines not answered get `results` (batch_expired), and
@@ -390,7 +444,7 @@ class Store:
         with self._transaction() as db:
             if not self._transition(db, batch_id, "finalizing", ("in_progress",), {"outcome": "expired"}):
                 return False
-            _insert_results(db, batch_id, results)
+            self._insert_results(batch_id, results, db=db)
             return True
 
     def give_up(self, batch_id: str, results: list[LineResult], errors: dict[str, Any]) -> bool:
@@ -400,7 +454,7 @@ class Store:
             columns = {"outcome": "failed", "errors": errors}
             if not self._transition(db, batch_id, "finalizing", ("in_progress",), columns):
                 return False
-            _insert_results(db, batch_id, results)
+            self._insert_results(batch_id, results, db=db)
             return True
 
     def done_lines(self, batch_id: str) -> set[int]:
@@ -441,6 +495,9 @@ class Store:
             with self._transaction() as db:  # the files and the batch's new state together, or neither
                 for record in written.values():
                     db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)", _values(record))
+                # The answers are in the files now: their text leaves the database (the counts stay).
+                (answers,) = db.execute(f"{STORED_ANSWERS} AND batch_id = ?", (batch_id,)).fetchone()
+                db.execute("UPDATE results SET output = '' WHERE batch_id = ?", (batch_id,))
                 columns = {
                     "output_file_id": output.id if output else None,
                     "error_file_id": errors.id if errors else None,
@@ -448,19 +505,15 @@ class Store:
                 if not self._transition(db, batch_id, batch.outcome, ("finalizing", "cancelling"), columns):
                     raise RuntimeError(f"batch {batch_id} left {batch.status} while it was finalized")  # rolled back
             committed = True
+            self._give_back(answers - sum(r.bytes for r in written.values()))  # 0: each answer became its line
+            with contextlib.suppress(sqlite3.Error), self._mutex:
+                self._connection().execute("PRAGMA incremental_vacuum")
         finally:
             leftovers = list(parts.values()) + ([] if committed else [self.files_dir / r.id for r in written.values()])
             for path in leftovers:
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
         return self.get_batch(batch_id)
-
-
-def _insert_results(db: sqlite3.Connection, batch_id: str, results: list[LineResult]) -> None:
-    db.executemany(
-        "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?)",
-        [(batch_id, r.item_line, int(r.is_ok), r.prompt_tokens, r.completion_tokens, to_json(r.line)) for r in results],
-    )
 
 
 def _values(record: Any) -> tuple:
@@ -473,3 +526,38 @@ def _marks(values: tuple) -> str:
 
 def _json(value: Any) -> str | None:
     return json.dumps(value) if value is not None else None
+
+
+class Upload:
+    """A file being written into the data dir (files/<id>.part) as its bytes arrive: each chunk is taken from
+    the quota before it is written; commit() makes it a stored file, abort() (idempotent; nothing once
+    committed) removes it and gives its bytes back."""
+
+    def __init__(self, store: Store, file_id: str, out: BinaryIO) -> None:
+        self.store = store
+        self.file_id = file_id
+        self.part = store.files_dir / f"{file_id}.part"
+        self.out = out
+        self.size = 0
+        self._state = "open"
+
+    def write(self, chunk: bytes) -> None:
+        self.store._take(len(chunk), "the upload")
+        self.size += len(chunk)
+        with self.store._io("storing an upload"):
+            self.out.write(chunk)
+
+    def commit(self, filename: str, purpose: str) -> FileRecord:
+        record = self.store._commit_upload(self, filename, purpose)
+        self._state = "committed"
+        return record
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        with contextlib.suppress(OSError):
+            self.out.close()
+        with contextlib.suppress(OSError):
+            self.part.unlink(missing_ok=True)
+        self.store._give_back(self.size)

@@ -312,11 +312,18 @@ def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[s
 
 
 def export(args: argparse.Namespace) -> int:
+    from moe_serve.artifact import is_artifact_dir
     from moe_serve.exporters import exporter
-    from moe_serve.exporters.base import ExportOptions
+    from moe_serve.exporters.base import ExportError, ExportOptions
     from moe_serve.exporters.dtypes import STORAGE_DTYPES
     from moe_serve.kernels.packed import WeightFormat
+    from moe_serve.output_dir import check_destination
 
+    # Before the conversion (minutes on a large checkpoint), not only when its result is written.
+    sources = (Path(args.src),)
+    check_destination(
+        Path(args.dst), overwrite=args.overwrite, is_ours=is_artifact_dir, sources=sources, error=ExportError
+    )
     options = ExportOptions(
         STORAGE_DTYPES[args.dtype] if args.dtype else None,
         not args.quiet,

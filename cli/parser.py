@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=sorted(STORAGE_DTYPES), default=None, help="storage dtype (default: as in the source)"
     )
     _weights_argument(export, required=False)
-    export.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it is an artifact or empty (never a folder holding SRC)",
+    )
     export.add_argument("--quiet", action="store_true", help="no progress bar")
 
     quantize = commands.add_parser(
@@ -117,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         "dst", type=Path, metavar="OUT", help="artifact directory to write (written aside, then renamed)"
     )
     _weights_argument(quantize, required=True)
-    quantize.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    quantize.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is an artifact or empty (never a folder holding MODEL)",
+    )
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")
 
     onnx = commands.add_parser(

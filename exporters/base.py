@@ -41,6 +41,7 @@ DEFAULT_OPTIONS = ExportOptions()
 
 
 def write(
+    src: str | Path,
     dst: str | Path,
     config: ModelConfig,
     state: dict[str, torch.Tensor],
@@ -48,7 +49,8 @@ def write(
     provenance: dict,
     options: ExportOptions,
 ) -> Path:
-    """Write the artifact (aside, then renamed into place) with the options' dtype and overwrite rule."""
+    """Write the artifact (aside, then renamed into place) with the options' dtype and overwrite rule (never
+    over a directory that holds SRC)."""
     return save_artifact(
         dst,
         config,
@@ -58,6 +60,7 @@ def write(
         dtype=options.dtype,
         weights=options.weights,
         overwrite=options.overwrite,
+        sources=(Path(src),),
     )
 
 

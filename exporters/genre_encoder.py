@@ -142,4 +142,4 @@ def export(fmt: str, src: str | Path, dst: str | Path, options: ExportOptions = 
     config = convert_config(ckpt, fmt)
     state = convert_weights(ckpt, config, fmt)
     provenance = ckpt.provenance(f"exporters.genre_encoder ({fmt})", FOLDED[fmt] + "; in_proj split into q/k/v")
-    return write(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)
+    return write(src, dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)

@@ -285,4 +285,4 @@ def export(fmt: str, src: str | Path, dst: str | Path, options: ExportOptions = 
         " (HyperMoE's Switch router: no bias, not renormalised)" if switch_router(ckpt, method) else ""
     )
     provenance = ckpt.provenance(f"exporters.transformer_xl ({fmt})", folded + "; qkv_net split into q/k/v")
-    return write(dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)
+    return write(src, dst, config, state, Tokenizer(byte_level_tokenizer()), provenance, options)

@@ -11,8 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from moe_serve.kernels import hugepages
 from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, packed_shapes, quantize
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
+from moe_serve.output_dir import check_destination, written_aside
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
 from moe_serve.weights import MANIFEST_KEY, WeightsSpec, expected_tensors, install, pack, packable_weights
@@ -101,13 +100,15 @@ def save_artifact(
     dtype: torch.dtype | None = None,
     weights: WeightFormat | None = None,
     overwrite: bool = False,
+    sources: tuple[Path, ...] = (),
 ) -> Path:
     """Write an artifact. The directory is written aside and renamed into place, so a failure never
-    leaves a half-written DST. Tensors are checked against the config before anything is written.
-    weights: store the packable weights in this format (moe_serve.weights; fp32 or None: as floats)."""
+    leaves a half-written DST (moe_serve.output_dir: overwrite replaces only an artifact or an empty directory,
+    never one holding one of `sources`). Tensors are checked against the config, and must be finite, before
+    anything is written. weights: store the packable weights in this format (moe_serve.weights; fp32 or None:
+    as floats)."""
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise ArtifactError(f"{dst} already exists (pass overwrite=True to replace it)")
+    check_destination(dst, overwrite=overwrite, is_ours=is_artifact_dir, sources=sources, error=ArtifactError)
     if tokenizer.vocab_size > config.vocab_size:
         raise ArtifactError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is {config.vocab_size}"
@@ -119,13 +120,14 @@ def save_artifact(
     for name, t in tensors.items():
         if t.dtype not in STORAGE_DTYPES:
             raise ArtifactError(f"tensor '{name}' has dtype {t.dtype}; artifacts store float32, float16 or bfloat16")
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ArtifactError(f"tensor '{name}' has {bad} non-finite values (NaN or inf): the checkpoint is broken")
     spec = None
     if weights is not None and WeightFormat(weights) is not WeightFormat.FP32:
         tensors, spec = pack(config, tensors, WeightFormat(weights))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with written_aside(dst, ArtifactError) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE))
         tokenizer.save(tmp / TOKENIZER_FILE)
         manifest = {
@@ -143,13 +145,17 @@ def save_artifact(
         os.chmod(tmp, 0o777 & ~umask)
         for path in tmp.iterdir():
             os.chmod(path, 0o666 & ~umask)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
+
+
+def is_artifact_dir(path: Path) -> bool:
+    """Whether `path` is a directory an artifact write made: a moe-serve config.json, no subdirectory."""
+    try:
+        manifest = json.loads((path / CONFIG_FILE).read_bytes())
+        is_ours = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+        return is_ours and not any(entry.is_dir() for entry in path.iterdir())
+    except (OSError, ValueError, RecursionError):
+        return False
 
 
 def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
@@ -217,7 +223,7 @@ def load_artifact(
             raise ArtifactError(f"{path} has no {name}")
     if verify_checksums:
         check_checksums(path, manifest.get("checksums") or {})
-    tokenizer = _read_tokenizer(path / TOKENIZER_FILE, config)
+    tokenizer = read_tokenizer(path / TOKENIZER_FILE, config)
     if config.chat_template is not None:
         _check_chat_template(config.chat_template, path / CONFIG_FILE)
     quality = QualityTable.read(path / QUALITY_FILE) if (path / QUALITY_FILE).is_file() else None
@@ -230,7 +236,7 @@ def load_artifact(
     packing = WeightFormat(pack_as) if pack_as is not None and WeightFormat(pack_as) is not WeightFormat.FP32 else None
     if spec is not None or packing is not None:
         check_packed_serving(spec.format if spec is not None else packing, torch.device(device), dtype)  # type: ignore[arg-type]
-    tensors, packed = _read_tensors(path / WEIGHTS_FILE, config, device, dtype, spec)
+    tensors, packed = read_tensors(path / WEIGHTS_FILE, config, device, dtype, spec)
     if packing is not None:
         spec = WeightsSpec(packing, tuple(packable_weights(config, packing)))
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
@@ -262,11 +268,12 @@ def check_packed_serving(fmt: WeightFormat, device: torch.device, dtype: torch.d
         logger.warning("%s weights without the C++ CPU kernels: every product dequantizes its weight (slow)", fmt.value)
 
 
-def _read_tensors(
-    path: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype, spec: WeightsSpec | None
+def read_tensors(
+    path: Path, config: ModelConfig, device: str | torch.device, dtype: torch.dtype | None, spec: WeightsSpec | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
     """Every tensor the config describes, with the shape it describes, finite: float tensors stored as F32,
-    F16 or BF16, packed weights (spec) with the dtypes their format stores. -> (float tensors, packed)."""
+    F16 or BF16 (returned in `dtype`'s storage dtype; None: as stored), packed weights (spec) with the dtypes
+    their format stores. -> (float tensors, packed)."""
     tensors: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     logical = expected_tensors(config) if spec is not None else {}
@@ -294,7 +301,8 @@ def _read_tensors(
                 tensor = f.get_tensor(name)
                 if not torch.isfinite(tensor).all():
                     raise ArtifactError(f"tensor '{name}' in {path.name} holds NaN or infinite values")
-                tensors[name] = hugepages.place(tensor, storage_dtype(name, dtype), device)  # one copy
+                stored_as = tensor.dtype if dtype is None else storage_dtype(name, dtype)
+                tensors[name] = hugepages.place(tensor, stored_as, device)  # one copy
             if spec is not None:
                 packed = {w: from_stored(spec.format, p, logical[w]) for w, p in parts.items()}
     except ArtifactError:
@@ -332,7 +340,7 @@ def packed_layouts(
 _TOKENIZER_PROBE = "Hello, world! 0123 naïve café, Ελληνικά, 日本語 🙂\n\ttabs  and  spaces"
 
 
-def _read_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+def read_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(path)
         ids = tokenizer.encode(_TOKENIZER_PROBE) + tokenizer.encode_rendered(_TOKENIZER_PROBE)
@@ -363,7 +371,10 @@ def check_checksums(path: Path, checksums: dict[str, str]) -> None:
         recorded = checksums.get(name)
         if recorded is None:
             raise ArtifactError(f"{path / CONFIG_FILE} records no sha256 checksum for {name}")
-        actual = sha256_file(path / name)
+        try:
+            actual = sha256_file(path / name)
+        except OSError as exc:
+            raise ArtifactError(f"cannot read {path / name}: {exc.strerror or exc}") from None
         if actual != recorded:
             raise ArtifactError(
                 f"checksum mismatch for {name}: config.json records sha256 {recorded[:16]}…, the file "

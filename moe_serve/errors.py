@@ -55,6 +55,11 @@ class EngineOverloadedError(MoEServeError):
         self.retry_after = retry_after
 
 
+class NonFiniteError(MoEServeError):
+    """A model's forward produced NaN or infinite values for a request (finite weights that overflow on its
+    input): HTTP 422 naming the model; the request fails alone, the others in its step are unaffected."""
+
+
 class EngineStoppedError(MoEServeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
 

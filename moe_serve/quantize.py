@@ -6,19 +6,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors import safe_open
-from tqdm import tqdm
-
-from moe_serve.artifact import TOKENIZER_FILE, WEIGHTS_FILE, check_checksums, read_manifest, save_artifact, weights_spec
+from moe_serve.artifact import (
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    check_checksums,
+    is_artifact_dir,
+    read_manifest,
+    read_tensors,
+    read_tokenizer,
+    save_artifact,
+    weights_spec,
+)
 from moe_serve.errors import ArtifactError
 from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, WeightFormat, packed_format
-from moe_serve.tokenizer import Tokenizer
+from moe_serve.output_dir import check_destination
 
 
 def quantize_artifact(
     src: str | Path, dst: str | Path, weights: str | WeightFormat, *, overwrite: bool = False, progress: bool = True
 ) -> Path:
-    """Write DST: SRC with its packable weights stored in `weights` (bf16, int8, int4)."""
+    """Write DST: SRC with its packable weights stored in `weights` (bf16, int8, int4). Every input the
+    artifact loader refuses is refused here in one line (ArtifactError), and DST is checked before any work."""
     src, dst = Path(src), Path(dst)
     fmt = packed_format(weights)
     if fmt is None:
@@ -29,12 +37,12 @@ def quantize_artifact(
         raise ArtifactError(
             f"{src} already stores {spec.format.value} weights; quantize from the float artifact it came from"
         )
-    if dst.resolve() == src.resolve():
-        raise ArtifactError("DST must differ from SRC (the source artifact is never changed in place)")
+    check_destination(dst, overwrite=overwrite, is_ours=is_artifact_dir, sources=(src,), error=ArtifactError)
     check_checksums(src, manifest.get("checksums") or {})
-    with safe_open(str(src / WEIGHTS_FILE), framework="pt", device="cpu") as f:
-        names = list(f.keys())
-        state = {name: f.get_tensor(name) for name in tqdm(names, desc=f"reading {src.name}", disable=not progress)}
+    tokenizer = read_tokenizer(src / TOKENIZER_FILE, config)
+    if progress:
+        print(f"reading {src.name} ...", flush=True)
+    state, _ = read_tensors(src / WEIGHTS_FILE, config, "cpu", None, None)  # as stored, finite, the right shapes
     provenance = {
         **(manifest.get("provenance") or {}),
         "quantized_from": {
@@ -49,8 +57,9 @@ def quantize_artifact(
         dst,
         config,
         state,  # the tensors that stay as they are keep their stored dtype
-        Tokenizer.from_file(src / TOKENIZER_FILE),
+        tokenizer,
         provenance=provenance,
         weights=fmt,
         overwrite=overwrite,
+        sources=(src,),
     )

@@ -10,7 +10,6 @@ is opened again at the next request, so that fixing the data dir needs no restar
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -18,10 +17,10 @@ from typing import Any, BinaryIO, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.datastructures import UploadFile
 
 from moe_serve.api import batches as b
 from moe_serve.api import protocol as p
+from moe_serve.batch.core import PrefillWindow
 from moe_serve.batch.jobs import COMPLETION_WINDOWS, BatchJobs, JobConfig
 from moe_serve.batch.jsonl import BatchItem
 from moe_serve.batch.store import DATABASE, BatchRecord, FileRecord, Store, storage_error
@@ -29,6 +28,7 @@ from moe_serve.engine.async_engine import AsyncEngine
 from moe_serve.errors import UnavailableError, ValidationError
 from moe_serve.server.lifecycle import Lifecycle
 from moe_serve.server.serving import ServingContext
+from moe_serve.server.uploads import receive_form
 
 T = TypeVar("T")
 logger = logging.getLogger("moe_serve.server")
@@ -41,9 +41,10 @@ class ServedModels:
     """The runner's LineModels in the server: a line's model is resolved as an HTTP request's (a `name:k<k>`
     suffix, the one served model when none is named), and prepared in the preparation threads."""
 
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, prefill: PrefillWindow) -> None:
         self.ctx = ctx
         self.limits = ctx.settings.limits
+        self.prefill = prefill
 
     def resolve(self, request: p.ModelRequest, item: BatchItem) -> tuple[str, AsyncEngine, p.ModelRequest]:
         served, request = self.ctx.resolve(request)
@@ -56,9 +57,14 @@ class ServedModels:
 class BatchService:
     def __init__(self, ctx: ServingContext, lifecycle: Lifecycle) -> None:
         self.data_dir = ctx.settings.batch_data_dir
-        self.models = ServedModels(ctx)
         self.lifecycle = lifecycle
-        self.config = JobConfig(max_in_flight=ctx.settings.batch_max_in_flight)
+        self.config = JobConfig(
+            max_in_flight=ctx.settings.batch_max_in_flight, max_in_flight_tokens=ctx.settings.batch_max_in_flight_tokens
+        )
+        config = self.config
+        self.models = ServedModels(
+            ctx, PrefillWindow(lambda: config.in_flight_tokens(busy=self.lifecycle.interactive > 0))
+        )
         self.max_stored_bytes = ctx.settings.max_stored_bytes
         self.storage_errors = ctx.metrics.batch_storage_errors
         self._store: Store | None = None
@@ -70,7 +76,7 @@ class BatchService:
         touches its data dir. Raises UnavailableError when another server holds the data dir, StorageError
         when it cannot be used (tried again at the next call)."""
         if self._jobs is None:
-            store = Store(self.data_dir)
+            store = Store(self.data_dir, max_stored_bytes=self.max_stored_bytes)
             self._store = store
             self._jobs = BatchJobs(
                 store,
@@ -107,14 +113,10 @@ class BatchService:
     # ---- /v1/files ------------------------------------------------------------------------------
 
     async def upload(self, http: Request) -> b.FileObject:
-        store = self.store
-        form = await http.form(max_files=1, max_fields=MAX_FORM_FIELDS)
+        form = await receive_form(http, self.store, allowed=UPLOAD_FIELDS, max_fields=MAX_FORM_FIELDS)
+        upload = form.upload
         try:
-            for name in form:
-                base = name.partition("[")[0]  # the SDK sends objects as `expires_after[anchor]`
-                if base not in UPLOAD_FIELDS:
-                    raise ValidationError(f"{base} is not implemented by this server; leave it out", parameter=base)
-            purpose = form.get("purpose")
+            purpose = form.fields.get("purpose")
             if purpose is None:
                 raise ValidationError("purpose is required", parameter="purpose")
             if purpose != "batch":
@@ -122,17 +124,16 @@ class BatchService:
                     f"purpose must be 'batch' (the only files this server reads), got {str(purpose)[:64]!r}",
                     parameter="purpose",
                 )
-            upload = form.get("file")
-            if not isinstance(upload, UploadFile):
+            if upload is None:
                 raise ValidationError("file is required (a file part of the multipart body)", parameter="file")
-            filename = upload.filename or "upload.jsonl"
+            filename = form.filename or "upload.jsonl"
             if len(filename) > MAX_FILENAME or not filename.isprintable():
                 message = f"the file name must be at most {MAX_FILENAME} printable characters"
                 raise ValidationError(message, parameter="file")
-            add = functools.partial(store.add_file, max_stored_bytes=self.max_stored_bytes)
-            record = await asyncio.get_running_loop().run_in_executor(None, add, upload.file, filename, "batch")
+            record = await asyncio.get_running_loop().run_in_executor(None, upload.commit, filename, "batch")
         finally:
-            await form.close()
+            if upload is not None:
+                upload.abort()  # nothing, once committed
         return file_object(record)
 
     def list_files(self, purpose: str | None, limit: int, order: str, after: str | None) -> b.FileList:

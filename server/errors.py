@@ -14,6 +14,7 @@ from moe_serve.errors import (
     EngineOverloadedError,
     EngineStoppedError,
     ModelNotFoundError,
+    NonFiniteError,
     NotFoundError,
     UnavailableError,
     ValidationError,
@@ -38,6 +39,7 @@ def install_error_handlers(app: FastAPI) -> None:
         UnavailableError,
         EngineOverloadedError,
         EngineStoppedError,
+        NonFiniteError,
         ClientDisconnectedError,
     ):
         app.add_exception_handler(kind, _expected)

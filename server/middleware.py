@@ -179,7 +179,7 @@ class _BodyTooLarge(Exception):
 class BodyLimitMiddleware:
     """413 for bodies over the limit, announced by Content-Length or not (chunked): the body is read here,
     up to the limit, before the application sees any of it. Uploads (`upload_paths`) have their own, larger
-    limit and reach the application as they arrive (it spools them to disk), counted on the way."""
+    limit and reach the application as they arrive (it writes them into the data dir), counted on the way."""
 
     def __init__(
         self, app: ASGIApp, max_bytes: int, max_upload_bytes: int = 0, upload_paths: tuple[str, ...] = ()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from moe_serve.batch.core import MAX_IN_FLIGHT_TOKENS
 from moe_serve.config import EngineConfig, RequestLimits
 from moe_serve.errors import ValidationError
 from moe_serve.options import option
@@ -52,17 +53,25 @@ class ServerSettings:
     )
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
     max_upload_bytes: int = option(
-        200 << 20, "larger files uploaded to POST /v1/files get 413 (streamed to disk, never held in memory)"
+        200 << 20,
+        "larger files uploaded to POST /v1/files get 413 (written into --data-dir as they arrive, never held in "
+        "memory nor spooled to the system temp dir)",
     )
     data_dir: str | None = option(
         None, "the Batch API's database and files (default: $XDG_STATE_HOME/moe-serve, else ~/.local/state/moe-serve)"
     )
     max_stored_bytes: int = option(
         10 << 30,
-        "quota for the files kept in --data-dir (uploads and batch outputs): an upload that would pass it gets 507",
+        "quota for every byte kept in --data-dir (uploads, batch outputs, the answers of running batches): an upload "
+        "that would pass it gets 507, a batch that would waits until files are deleted",
     )
     batch_max_in_flight: int = option(
         64, "Batch API lines in flight while no interactive request runs (one while any does)"
+    )
+    batch_max_in_flight_tokens: int = option(
+        MAX_IN_FLIGHT_TOKENS,
+        "prompt tokens of the Batch API lines in flight while no interactive request runs (an eighth while any "
+        "does); a line larger than this runs alone",
     )
     public_monitoring: bool = option(
         False, "with an API key, still serve /metrics, /dashboard, /docs and /openapi.json without it"
@@ -98,6 +107,7 @@ class ServerSettings:
         object.__setattr__(self, "api_key", key)
         check_int("port", self.port, 0, 65535)
         check_int("batch_max_in_flight", self.batch_max_in_flight, 1)
+        check_int("batch_max_in_flight_tokens", self.batch_max_in_flight_tokens, 1)
         check_int("max_stored_bytes", self.max_stored_bytes, 1)
         for name in ("max_body_bytes", "max_upload_bytes", "max_concurrent_requests", "max_connections"):
             check_int(name, getattr(self, name), 1)

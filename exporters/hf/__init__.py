@@ -96,7 +96,7 @@ def export_hf(src: str | Path, dst: str | Path, options: ExportOptions = DEFAULT
         "folded": "experts stacked into [N, out, in] banks; routing convention kept "
         f"({config.moe.router.describe() if config.moe else None})",
     }
-    return write(dst, config, state, tokenizer, provenance, options)
+    return write(src, dst, config, state, tokenizer, provenance, options)
 
 
 def _text_model(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from moe_serve.onnx_model import (
     past_names,
     present_names,
 )
+from moe_serve.output_dir import check_destination, written_aside
 from moe_serve.quality import QUALITY_FILE
 from moe_serve.registry import resolve_model
 from moe_serve.weights import packed_refusal
@@ -48,6 +48,12 @@ EXTERNAL_DATA_BYTES = 1 << 30
 # The exported graph against the traced module, on fresh shapes (fp32; both run the same math): the largest
 # difference, relative to the largest output magnitude (at least 1). A baked-in shape is off by far more.
 VERIFY_TOLERANCE = 1e-4
+
+
+def is_onnx_dir(path: Path) -> bool:
+    """Whether `path` is a directory an ONNX export made: its graph, its weights file, nothing else."""
+    names = {entry.name for entry in path.iterdir()}
+    return GRAPH_FILE in names and names <= {GRAPH_FILE, DATA_FILE} and not any(p.is_dir() for p in path.iterdir())
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,9 @@ def export_onnx(
         if importlib.util.find_spec(package) is None:
             raise ExportError(f"export-onnx needs the {package} package: pip install 'moe-serve[onnx]'")
     src, dst = resolve_model(model), Path(dst)
-    if dst.exists() and not overwrite:
-        raise ExportError(f"{dst} already exists (pass --overwrite to replace it)")
+    check_destination(
+        dst, overwrite=overwrite, is_ours=is_onnx_dir, sources=(src,), what="an ONNX export", error=ExportError
+    )
     manifest, config = read_manifest(src)
     spec = weights_spec(manifest, config, src)
     if spec is not None:
@@ -94,9 +101,7 @@ def export_onnx(
     artifact = load_artifact(src, dtype=torch.float32)
     graph: GraphModel = (CausalLMGraph if config.is_causal else ClassifierGraph)(artifact.model).eval()
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with written_aside(dst, ExportError) as tmp:
         trace_dir = tmp / "trace"  # the tracer's own output (it may split weights into files)
         trace_dir.mkdir()
         _trace(graph, trace_dir / GRAPH_FILE, opset)
@@ -104,13 +109,7 @@ def export_onnx(
         used_external = _finish(trace_dir / GRAPH_FILE, tmp / GRAPH_FILE, metadata, external_data)
         shutil.rmtree(trace_dir)
         max_diff = _verify(graph, tmp) if verify else None
-        if dst.exists():
-            shutil.rmtree(dst)
         tmp.chmod(0o755)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return OnnxExport(dst, tuple(sorted(p.name for p in dst.iterdir())), used_external, max_diff)
 
 

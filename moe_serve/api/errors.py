@@ -15,6 +15,7 @@ from moe_serve.errors import (
     EngineOverloadedError,
     EngineStoppedError,
     ModelNotFoundError,
+    NonFiniteError,
     NotFoundError,
     UnavailableError,
     ValidationError,
@@ -51,6 +52,8 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
             "rate_limit_error",
             headers={"Retry-After": str(exc.retry_after)},
         )
+    if isinstance(exc, NonFiniteError):
+        return ApiError(422, str(exc), "invalid_request_error")
     if isinstance(exc, EngineStoppedError):
         return ApiError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, UnavailableError):
@@ -62,7 +65,7 @@ def api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
 
 
 # Request fields that are objects with fields of their own (no unions), whose errors name the inner field.
-OBJECT_FIELDS = frozenset({"moe"})
+OBJECT_FIELDS = frozenset({"moe", "stream_options"})
 
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:

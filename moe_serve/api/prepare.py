@@ -43,14 +43,15 @@ class GenerationJob:
         return self.requests[0].k
 
     async def gather(
-        self, engine: AsyncEngine, streams: list[GenerationStream]
+        self, engine: AsyncEngine, streams: list[GenerationStream], background: bool = False
     ) -> tuple[list[RequestOutput] | None, list[ScoreOutput] | None]:
         """The job's results once complete: each admitted stream's final output (None when nothing was to
-        be generated), and with echo and logprobs, the prompts' scores, computed alongside."""
+        be generated), and with echo and logprobs, the prompts' scores, computed alongside (background: as
+        batch work, AsyncEngine.score)."""
         work: list[Awaitable[Any]] = [s.final() for s in streams]
         if self.echo and self.logprobs is not None:
             prompts = [r.prompt_token_ids for r in self.requests]
-            work.append(engine.score(prompts, self.requests[0].k, True, self.logprobs))
+            work.append(engine.score(prompts, self.requests[0].k, True, self.logprobs, background))
         done = await asyncio.gather(*work)
         return (list(done[: len(streams)]) or None), (done[-1] if len(done) > len(streams) else None)
 

@@ -152,7 +152,22 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """OpenAI's and vLLM's stream options: include_usage is implemented; vLLM's continuous_usage_stats (usage
+    in every chunk) is refused unless false, and an unknown option is refused by name (never ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError(
+                "stream_options.continuous_usage_stats is not implemented by this server (usage comes in the "
+                "last chunk, with include_usage); leave it out"
+            )
+        return self
 
 
 class MoEPolicyRequest(BaseModel):

@@ -22,7 +22,7 @@ from moe_serve.engine.expert_load import ExpertLoad
 from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.engine.runner import LoadedModel
-from moe_serve.engine.sequence import Sequence, SequenceKind
+from moe_serve.engine.sequence import Sequence, SequenceKind, WorkGroup
 from moe_serve.errors import EngineOverloadedError, EngineStoppedError
 from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import (
@@ -81,6 +81,7 @@ class _Submission:
     k: int | KSpec = 0
     kind: SequenceKind = SequenceKind.GENERATE
     top_logprobs: int = 0  # scoring: alternatives per position
+    group: WorkGroup | None = None  # the work its prompts count with (engine.sequence.WorkGroup)
 
     @property
     def num_sequences(self) -> int:
@@ -169,6 +170,11 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopping = False
         self._exit = False
+        # Waiting sequences of long work in the scheduler's queue, as the engine thread last counted them (it
+        # alone reads the queue); short and long work are each held to max_waiting, so that one client's heavy
+        # work filling the queue never makes another's short request a 429.
+        self._waiting_long = 0
+        self._threshold = engine.config.long_prefill_threshold
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.artifact.name}", daemon=True)
         self._thread.start()
 
@@ -214,6 +220,14 @@ class AsyncEngine:
         """Sequences not yet running: in the scheduler's queue and not yet handed to it."""
         return self.engine.num_waiting + sum(s.num_sequences for s in self._inbox)
 
+    def _num_waiting_of(self, long: bool) -> int:
+        """Sequences not yet running of one class: long work, or the rest (called under the lock)."""
+        queued = sum(
+            s.num_sequences for s in self._inbox if (s.group is not None and s.group.is_long(self._threshold)) == long
+        )
+        waiting_long = self._waiting_long
+        return queued + (waiting_long if long else max(self.engine.num_waiting - waiting_long, 0))
+
     @property
     def auto_k(self) -> int | None:
         """The k that experts_per_token "auto" requests run with now (None: no --target-itl-ms, or dense)."""
@@ -229,30 +243,47 @@ class AsyncEngine:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
+    def submit(self, requests: list[GenerationRequest], background: bool = False) -> list[GenerationStream]:
         """Admit requests now, all or none (EngineOverloadedError, EngineStoppedError): call this before a
-        response starts, so that a refusal can still be a 429 or 503. Iterate each stream for its updates."""
-        submissions = self._submit([{"request": r} for r in requests])
+        response starts, so that a refusal can still be a 429 or 503. Iterate each stream for its updates.
+        The requests are one piece of work (the prompts of one client request): their prompt tokens count
+        together, and `background` (batch work) puts it behind interactive work whatever its size."""
+        group = WorkGroup(sum(len(r.prompt_token_ids) for r in requests), background)
+        submissions = self._submit([{"request": r, "group": group} for r in requests])
         return [GenerationStream(self, s) for s in submissions]
 
     # ---- classification and scoring -------------------------------------------------------------
 
-    async def classify(self, token_ids: list[list[int]], k: int | KSpec) -> list[ClassificationOutput]:
-        seqs = await self._pool(token_ids, k, SequenceKind.CLASSIFY)
+    async def classify(
+        self, token_ids: list[list[int]], k: int | KSpec, background: bool = False
+    ) -> list[ClassificationOutput]:
+        seqs = await self._pool(token_ids, k, SequenceKind.CLASSIFY, background=background)
         return [pooling.classification_output(self.engine.model_config, seq) for seq in seqs]
 
     async def score(
-        self, token_ids: list[list[int]], k: int | KSpec, keep_token_logprobs: bool = False, top_logprobs: int = 0
+        self,
+        token_ids: list[list[int]],
+        k: int | KSpec,
+        keep_token_logprobs: bool = False,
+        top_logprobs: int = 0,
+        background: bool = False,
     ) -> list[ScoreOutput]:
-        seqs = await self._pool(token_ids, k, SequenceKind.SCORE, top_logprobs)
+        seqs = await self._pool(token_ids, k, SequenceKind.SCORE, top_logprobs, background)
         config, tokenizer = self.engine.model_config, self.engine.tokenizer
         return [pooling.score_output(config, tokenizer, seq, keep_token_logprobs) for seq in seqs]
 
     async def _pool(
-        self, token_ids: list[list[int]], k: int | KSpec, kind: SequenceKind, top_logprobs: int = 0
+        self,
+        token_ids: list[list[int]],
+        k: int | KSpec,
+        kind: SequenceKind,
+        top_logprobs: int = 0,
+        background: bool = False,
     ) -> list[Sequence]:
-        """Inputs run through the engine's steps like prompts; their sequences once all are finished."""
-        work = {"token_ids": token_ids, "k": k, "kind": kind, "top_logprobs": top_logprobs}
+        """Inputs run through the engine's steps like prompts, one piece of work (background: batch work);
+        their sequences once all are finished."""
+        group = WorkGroup(sum(len(ids) for ids in token_ids), background)
+        work = {"token_ids": token_ids, "k": k, "kind": kind, "top_logprobs": top_logprobs, "group": group}
         (submission,) = self._submit([work])
         try:
             update = await submission.stream.queue.get()
@@ -270,13 +301,17 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         submissions = [_Submission(self.new_request_id(), _Stream(asyncio.Queue(), loop), **work) for work in works]
         count = sum(s.num_sequences for s in submissions)
+        long = any(s.group is not None and s.group.is_long(self._threshold) for s in submissions)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the server is shutting down")
-            waiting = self.num_waiting
+            waiting = self._num_waiting_of(long)
             if waiting + count > self.max_waiting:
+                kind = (
+                    "sequences of long work (prompts together over --long-prefill-threshold)" if long else "sequences"
+                )
                 raise EngineOverloadedError(
-                    f"{waiting} sequences are waiting and this request adds {count} (limit {self.max_waiting})"
+                    f"{waiting} {kind} are waiting and this request adds {count} (limit {self.max_waiting})"
                 )
             for submission in submissions:
                 self._inbox.append(submission)
@@ -319,6 +354,7 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             for submission in inbox:
                 self._add(submission)
+            self._waiting_long = self.engine.scheduler.num_waiting_long()
             if self.engine.has_unfinished():
                 try:
                     changed = self.engine.step()
@@ -329,6 +365,7 @@ class AsyncEngine:
                 self._publish(changed)
                 if self.expert_load is not None:
                     self.expert_load.collect()
+                self._waiting_long = self.engine.scheduler.num_waiting_long()  # after the step's admissions
 
     def _add(self, submission: _Submission) -> None:
         stream = submission.stream
@@ -336,11 +373,16 @@ class AsyncEngine:
             return
         try:
             if submission.request is not None:
-                stream.seqs = self.engine.add_request(submission.request_id, submission.request)
+                stream.seqs = self.engine.add_request(submission.request_id, submission.request, submission.group)
             else:
                 assert submission.token_ids is not None
                 stream.seqs = self.engine.add_inputs(
-                    submission.request_id, submission.token_ids, submission.k, submission.kind, submission.top_logprobs
+                    submission.request_id,
+                    submission.token_ids,
+                    submission.k,
+                    submission.kind,
+                    submission.top_logprobs,
+                    submission.group,
                 )
         except Exception as exc:  # validated already; anything else still reaches the caller
             self._streams.pop(submission.request_id, None)

@@ -140,11 +140,18 @@ class BlockManager:
     def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, cached: CachedPrefix) -> bool:
-        """Whether `seq` (holding no blocks) can be given blocks for its first num_tokens tokens."""
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: CachedPrefix, reserved: int = 0) -> bool:
+        """Whether `seq` (holding no blocks) can be given blocks for its first num_tokens tokens, with `reserved`
+        free blocks left over (promised to others)."""
         revived = sum(1 for b in cached.ids if self.blocks[b].ref_count == 0)  # cached but free: they count
         fresh = len(self.reaches) * (self.blocks_needed(num_tokens) - cached.num_blocks)
-        return fresh + revived <= len(self._free)
+        return fresh + revived + reserved <= len(self._free)
+
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """The blocks `seq` still needs to hold its whole prompt (and what it generated), over every group."""
+        want = self.blocks_needed(seq.num_tokens)
+        held = [len(table) for table in seq.block_tables] or [0] * len(self.reaches)
+        return sum(max(want - n, 0) for n in held)
 
     def allocate(self, seq: Sequence, num_tokens: int, cached: CachedPrefix) -> None:
         """Take the cached blocks and fresh ones for the first num_tokens tokens; marks the hit."""

@@ -10,6 +10,7 @@ finish that sequence with an error; the step goes on for the others.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -25,8 +26,8 @@ from moe_serve.engine.runner import LoadedModel, Runner, StepResult
 from moe_serve.engine.sampler import Sampled, sample
 from moe_serve.engine.scheduler import Scheduler, SchedulerConfig
 from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
-from moe_serve.errors import ValidationError
+from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus, WorkGroup
+from moe_serve.errors import NonFiniteError, ValidationError
 from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import SamplingParams
 
@@ -96,8 +97,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, request: GenerationRequest) -> list[Sequence]:
-        """Queue a request validated by `self.inputs.generation_request`; one sequence per completion."""
+    def add_request(
+        self, request_id: str, request: GenerationRequest, group: WorkGroup | None = None
+    ) -> list[Sequence]:
+        """Queue a request validated by `self.inputs.generation_request`; one sequence per completion. `group`:
+        the work it counts with (the other prompts of its client request; default: its own prompt)."""
         params = request.params
         # Cheap invariants only: the full validation happened once, on the way in.
         if not request.prompt_token_ids or len(request.prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -114,6 +118,7 @@ class LLMEngine:
                 else:
                     generator.manual_seed(params.seed + index)
             seq = self._new(request_id, index, request.prompt_token_ids, request.k, SequenceKind.GENERATE, params)
+            seq.group = group
             seq.generator = generator
             self._detokenizers[id(seq)] = IncrementalDetokenizer(
                 self.tokenizer,
@@ -126,12 +131,23 @@ class LLMEngine:
         return self._queue(request_id, seqs)
 
     def add_inputs(
-        self, request_id: str, token_ids: list[list[int]], k: int | KSpec, kind: SequenceKind, top_logprobs: int = 0
+        self,
+        request_id: str,
+        token_ids: list[list[int]],
+        k: int | KSpec,
+        kind: SequenceKind,
+        top_logprobs: int = 0,
+        group: WorkGroup | None = None,
     ) -> list[Sequence]:
         """Queue inputs to score (log-likelihood of each token, and the `top_logprobs` most likely tokens at
-        each position when asked) or classify, all at one k (or k spec, resolved by engine.inputs)."""
+        each position when asked) or classify, all at one k (or k spec, resolved by engine.inputs). Their
+        prompt work counts together (`group`; default: a group of these inputs)."""
         params = SamplingParams(max_tokens=1, logprobs=top_logprobs or None)
+        if group is None:
+            group = WorkGroup(sum(len(ids) for ids in token_ids))
         seqs = [self._new(request_id, i, ids, k, kind, params) for i, ids in enumerate(token_ids)]
+        for seq in seqs:
+            seq.group = group
         return self._queue(request_id, seqs)
 
     def _new(
@@ -233,7 +249,17 @@ class LLMEngine:
         self.scheduler.update(output, failed=[item.seq for item, _ in failed])
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
-        sampled = sample(result.logits, samples, self.eos_token_ids)
+        logits = result.logits
+        if logits is not None and samples:
+            # A row's sum is finite only if every value is: one read of the logits, one value a row written.
+            finite = torch.isfinite(logits.sum(dim=-1))
+            if not bool(finite.all()):
+                for seq, ok in zip(samples, finite.tolist(), strict=True):
+                    if not ok:
+                        changed.append(self._fail(seq, self._non_finite("logits")))
+                samples = [seq for seq, ok in zip(samples, finite.tolist(), strict=True) if ok]
+                logits = logits[finite]
+        sampled = sample(logits, samples, self.eos_token_ids)
         now = time.monotonic()
         for row, seq in enumerate(samples):
             error = sampled.errors.get(row)
@@ -245,6 +271,11 @@ class LLMEngine:
             changed.append(seq)
         for i, values in result.prompt_logprobs.items():
             seq = output.scheduled[i].seq
+            if seq.is_finished:
+                continue
+            if not all(v is None or math.isfinite(v) for v in values):
+                changed.append(self._fail(seq, self._non_finite("prompt log-probabilities")))
+                continue
             seq.prompt_logprobs += values
             seq.prompt_top_logprobs += result.prompt_top_logprobs.get(i, [])
             if seq.num_computed_tokens == seq.num_tokens:
@@ -252,6 +283,9 @@ class LLMEngine:
                 changed.append(seq)
         for i, probs in result.class_probs.items():
             seq = output.scheduled[i].seq
+            if not all(math.isfinite(v) for v in probs):
+                changed.append(self._fail(seq, self._non_finite("class probabilities")))
+                continue
             seq.class_probs = probs
             self._finish(seq, "stop")
             changed.append(seq)
@@ -318,6 +352,12 @@ class LLMEngine:
         if seq.is_finished:
             return len(seq.text)
         return self._detokenizers[id(seq)].stable_text_length()
+
+    def _non_finite(self, what: str) -> NonFiniteError:
+        return NonFiniteError(
+            f"model '{self.artifact.name}' produced non-finite {what} (NaN or inf) for this input: its weights "
+            "overflow on it, in this dtype"
+        )
 
     def _fail(self, seq: Sequence, exc: BaseException) -> Sequence:
         logger.warning("sequence %s/%d failed: %s", seq.request_id, seq.index, exc)

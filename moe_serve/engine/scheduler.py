@@ -36,9 +36,15 @@ from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus
 from moe_serve.engine.step_costs import StepCosts
 
-# Steps of long prompts alone before their chunks may take long_prefill_alone_seconds: about 0.1-0.2 s of
-# capped steps, longer than the gap between a client's one request and its next.
-QUIET_STEPS_BEFORE_LONG_CHUNKS = 8
+# Seconds of long work alone (by the cost model: capped steps, each a few ms) before its chunks may take
+# long_prefill_alone_seconds: longer than the gap between an interactive client's one request and its next, so
+# a client sending request after request finds short steps, never one of the long ones.
+QUIET_SECONDS_BEFORE_LONG_CHUNKS = 0.1
+# Beside interactive decodes, long work takes at most this share of the join-stall room (short prompts take all
+# of it): a decode step that carries long chunks costs about 1.5 decode steps, not max_join_stall of them, and
+# a short request's latency under bulk work stays near its latency alone.
+LONG_SHARE_OF_STALL = 0.25
+BACKGROUND = object()  # the long slot all background work shares
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +68,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
-        self._quiet_steps = 0  # consecutive steps that ran long prompts only
+        self._quiet_seconds = 0.0  # estimated seconds of the consecutive steps that ran long work only
         self._budget = 0  # tokens left in the step being scheduled
         self._room: float | None = None  # seconds of prefill left beside its decodes (None: nothing decodes)
         self._long_room: float | None = None  # seconds left to long chunks when nothing decodes
+        self._long_alone = False  # this step runs long work alone, after quiet steps
+        self._long_scheduled = False  # a long chunk is in this step already
+        self._blocked = False  # admission met a sequence its blocks (or a whole classified input) did not fit
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,98 +82,188 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting_long(self) -> int:
+        """Waiting sequences of long work (their own prompt, or their group's, long; or background)."""
+        return sum(self._long_work(seq) for seq in self.waiting)
+
     def is_long(self, seq: Sequence, start: int | None = None) -> bool:
-        """A prompt of more than `long_prefill_threshold` tokens still being prefilled from `start` (default: what it
-        computed so far). Long by its length, not by what is left: a chunk late in a long prompt (or after a
-        long cached prefix) reads that many cached keys per token, and costs more the deeper it is."""
+        """Long work, while it is prefilled from `start` (default: what it computed so far): a prompt of more
+        than `long_prefill_threshold` tokens, a prompt of a work group whose prompts together have more (256
+        prompts of 500 tokens in one request are 128,000 tokens of prefill, as one long prompt would be), or
+        a prompt of background work (a batch file's lines). Long by its length, not by what is left: a chunk
+        late in a long prompt (or after a long cached prefix) reads that many cached keys per token, and costs
+        more the deeper it is."""
         computed = seq.num_computed_tokens if start is None else start
-        return seq.num_tokens > self.config.long_prefill_threshold and computed < seq.num_tokens - 1
+        return computed < seq.num_prompt_tokens and self._long_work(seq)
+
+    def _long_work(self, seq: Sequence) -> bool:
+        threshold = self.config.long_prefill_threshold
+        return seq.num_tokens > threshold or (seq.group is not None and seq.group.is_long(threshold))
+
+    @staticmethod
+    def _work(seq: Sequence) -> object:
+        """What a long slot holds: the sequence's work group (all of its prompts prefill as one piece of
+        work), all background work together (a batch file's lines fill one slot's steps, as the engine batched
+        them before), or the sequence itself when it has no group."""
+        if seq.group is None:
+            return seq
+        return BACKGROUND if seq.group.background else seq.group
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        num_decodes = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
+        # Sequences that generate (a prompt's last token is still prefill: a scored input never decodes).
+        num_decodes = sum(1 for s in self.running if s.num_output_tokens and s.num_computed_tokens >= s.num_tokens - 1)
         # Seconds of prefill this step may spend beside the decodes (None: nothing decodes).
         self._room = self.costs.prefill_room(self.config.max_join_stall, num_decodes)
-        # When nothing else runs, a long chunk costs at most what long_prefill_chunk tokens cost at the start of a
+        # When nothing else runs, long work costs at most what long_prefill_chunk tokens cost at the start of a
         # prompt: deeper chunks get fewer tokens, so a request arriving meanwhile waits at most one such step
         # (None: the costs are not known yet; the token cap alone bounds the chunk then).
         self._long_room = None
-        self._long_alone = False  # set while long prompts are all this step runs
+        self._long_alone = False  # set while long work is all this step runs
         if self.costs.per_token:  # (1 + 1e-9): so that long_prefill_chunk tokens fit at position 0, despite rounding
             self._long_room = self.costs.chunk_seconds(self.config.long_prefill_chunk, 0) * (1 + 1e-9)
         self._budget = self.config.max_num_batched_tokens
-        # Long prompts in progress go last: their chunks take what decodes, short prompts and admissions leave.
+        self._long_scheduled = False
+        self._blocked = False
+        # Short work first, every step: decodes and short prompts running, then short requests waiting, first
+        # come first served. Long work goes last: its chunks take what they leave, within the long room.
         longs = [seq for seq in self.running if self.is_long(seq)]
         self._run([seq for seq in self.running if not self.is_long(seq)], out)
-        self._admit(self.config.max_long_prefills - len(longs), out)
-        # Long prompts alone for a while (a client sending request after request leaves no such gap): longer
-        # chunks, fewer steps. The first quiet steps stay short, so a request following its predecessor
-        # within a few steps never meets a long one.
-        self._quiet_steps = self._quiet_steps + 1 if not out.scheduled else 0
-        if self._quiet_steps > QUIET_STEPS_BEFORE_LONG_CHUNKS and self._long_room is not None:
-            self._long_room = max(self._long_room, self.config.long_prefill_alone_seconds)
+        self._admit(out, long=False)
+        # Long work alone for a while (QUIET_SECONDS_BEFORE_LONG_CHUNKS: a client sending request after request
+        # leaves no such gap): longer chunks, fewer steps. The first quiet steps stay short, so a request
+        # following its predecessor soon never meets a long one.
+        quiet = not out.scheduled
+        if self._room is not None:  # interactive decodes run: long work gets its share of the room they leave
+            self._room *= LONG_SHARE_OF_STALL
+        if quiet and self._quiet_seconds >= QUIET_SECONDS_BEFORE_LONG_CHUNKS and self._long_room is not None:
+            # The step's own overhead is part of its time: its chunks get the rest.
+            alone = self.config.long_prefill_alone_seconds - self.costs.step_overhead
+            self._long_room = max(self._long_room, alone)
             self._long_alone = True
-        self._run(longs, out)
+        self._run(longs, out, long=True)
+        self._admit(out, long=True)
         self._long_alone = False
+        self._quiet_seconds = self._quiet_seconds + self._estimate(out) if quiet else 0.0
         return out
 
-    def _run(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
-        """The next chunk (or decode) of running sequences, in order, while the budget lasts."""
+    def _estimate(self, out: SchedulerOutput) -> float:
+        """A step's seconds by the cost model (0 before it knows any)."""
+        if not self.costs.per_token:
+            return 0.0
+        chunks = sum(self.costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode)
+        return self.costs.step_overhead + chunks
+
+    def _run(self, seqs: list[Sequence], out: SchedulerOutput, long: bool = False) -> None:
+        """The next chunk (or decode) of running sequences, in order, while the budget lasts (and, for long
+        work, the long room: once it is spent the step's first long chunk is the only one)."""
         for seq in seqs:
-            if self._budget <= 0:
+            if self._budget <= 0 or (long and self._long_room_spent()):
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
             n = self._fit(min(seq.num_tokens - seq.num_computed_tokens, self._budget), seq.num_computed_tokens, seq)
+            if n == 0:  # long work the room holds no more of this step
+                break
             if not self._reserve(seq, n, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
             self._budget -= n
+            self._long_scheduled |= long
 
-    def _admit(self, long_slots: int, out: SchedulerOutput) -> None:
-        """Waiting sequences, first come first served, while blocks, budget and sequence slots last; a long
-        prompt while no long slot is free is skipped (it keeps its place at the head of the queue)."""
-        skipped: list[Sequence] = []
-        while self.waiting and self._budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.kind is SequenceKind.CLASSIFY:
-                long = self.is_long(seq, 0)
-                if long and long_slots <= 0:
-                    skipped.append(self.waiting.popleft())
-                    continue
-                if seq.num_tokens > self._budget:
-                    break
-                n = seq.num_tokens
-            else:
+    def _long_room_spent(self) -> bool:
+        """Whether long work has had its share of this step: at least one long chunk ran, and the room it
+        draws on (beside decodes, or its own when nothing decodes) is gone."""
+        room = self._room if self._room is not None else self._long_room
+        return self._long_scheduled and room is not None and room <= 0.0
+
+    def _admit(self, out: SchedulerOutput, long: bool) -> None:
+        """Waiting sequences of one class (short, or long work), first come first served, while blocks, budget
+        and sequence slots last; the other class's sequences keep their places. Long work needs a long slot
+        (max_long_prefills pieces of long work in progress at once; a work group's sequences share one): a long
+        sequence without one is skipped, so short requests behind it are never held back by it."""
+        in_progress = {id(self._work(seq)) for seq in self.running if self.is_long(seq)}
+        # Long work is admitted only where its whole prompt fits beside what the long prefills in progress still
+        # need: several prompts of one request prefilling at once never run the cache out and preempt each other.
+        reserved = sum(self.blocks.blocks_to_finish(seq) for seq in self.running if self.is_long(seq)) if long else 0
+        kept: list[Sequence] = []
+        while self.waiting:
+            seq = self.waiting.popleft()
+            stop = (
+                self._blocked
+                or self._budget <= 0
+                or bool(out.preempted)
+                or len(self.running) >= self.config.max_num_seqs
+                or (long and self._long_room_spent())
+            )
+            if stop:
+                kept.append(seq)
+                kept.extend(self.waiting)
+                self.waiting.clear()
+                break
+            # The class first, before any prefix lookup (each hashes the prompt's blocks): a prompt that has
+            # generated nothing is long work exactly when its work is (a prefix hit never takes its last token).
+            long_work = self._long_work(seq)
+            if (long and not long_work) or (not long and long_work and not seq.num_output_tokens):
+                kept.append(seq)
+                continue
+            start = 0 if seq.kind is SequenceKind.CLASSIFY else None
+            cached = None
+            if start is None:
                 cached = self.blocks.no_prefix() if seq.needs_prompt_logits else self.blocks.cached_prefix(seq)
                 start = cached.num_blocks * self.blocks.block_size
-                long = self.is_long(seq, start)
-                if long and long_slots <= 0:
-                    skipped.append(self.waiting.popleft())
+            is_long = self.is_long(seq, start)
+            work = id(self._work(seq))
+            if is_long != long or (
+                long and work not in in_progress and len(in_progress) >= self.config.max_long_prefills
+            ):
+                kept.append(seq)  # the other class, or long work without a slot: it keeps its place
+                continue
+            if seq.kind is SequenceKind.CLASSIFY:
+                if seq.num_tokens > self._budget:  # read whole: it waits for a step with room (in order)
+                    self._blocked = True
+                    kept.append(seq)
+                    continue
+                n = seq.num_tokens
+            else:
+                assert cached is not None
+                if long and not self.blocks.can_allocate(seq, seq.num_tokens, cached, reserved):
+                    self._blocked = True
+                    kept.append(seq)
                     continue
                 n = self._fit(min(seq.num_tokens - start, self._budget), start, seq)
-                if not self.blocks.can_allocate(seq, start + n, cached):
+                if n == 0:  # long work the room holds no more of this step: it keeps its place
+                    kept.append(seq)
+                    kept.extend(self.waiting)
+                    self.waiting.clear()
                     break
+                if not self.blocks.can_allocate(seq, start + n, cached):
+                    self._blocked = True
+                    kept.append(seq)
+                    continue
                 self.blocks.allocate(seq, start + n, cached)
-            long_slots -= long
+            if long:
+                in_progress.add(work)
+                self._long_scheduled = True
+                reserved += self.blocks.blocks_to_finish(seq)
             beside = self.costs.prefill_room(self.config.max_join_stall, 1)
             if not long and self._long_room is not None and beside is not None:
                 # It decodes from its next step: long chunks keep this step as short as if it did already.
-                self._long_room = min(self._long_room, beside)
-            self.waiting.popleft()
+                self._long_room = min(self._long_room, beside * LONG_SHARE_OF_STALL)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
             self._budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(kept))
 
     def _fit(self, n: int, start: int, seq: Sequence) -> int:
         """The chunk of at most n tokens from `start` that `seq` runs this step. Under the join-stall room
         while others decode (never fewer than min_chunk tokens, so that a prompt always progresses). A long
         prompt's chunk: at most `long_prefill_chunk` tokens, and under the room too, beside decodes (or a short prompt
-        admitted this step) or, when nothing else runs, what long_prefill_chunk tokens cost from position 0; at least
-        one token (late in a long prompt even min_chunk tokens can cost many decode steps: each token reads
-        thousands of cached keys)."""
+        admitted this step) or, when nothing else runs, what long_prefill_chunk tokens cost from position 0. The
+        step's first long chunk takes at least one token (late in a long prompt even min_chunk tokens can cost many
+        decode steps: each token reads thousands of cached keys), so long work always progresses; a later one
+        takes what the room still holds, none when it holds no token (0: the sequence waits for the next step)."""
         if n <= 1:  # a decode
             return n
         if not self.is_long(seq, start):
@@ -177,7 +276,9 @@ class Scheduler:
         room = self._room if decoding else self._long_room
         if room is None:  # costs not known yet: the token cap alone
             return n
-        n = max(min(n, self.costs.tokens_within(room, start)), 1)
+        n = min(n, self.costs.tokens_within(room, start))
+        if n == 0 and not self._long_scheduled:
+            n = 1
         left = max(room - self.costs.chunk_seconds(n, start), 0.0)
         if decoding:
             self._room = left

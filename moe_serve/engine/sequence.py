@@ -30,6 +30,23 @@ class SequenceKind(Enum):
 
 
 @dataclass(slots=True, eq=False)
+class WorkGroup:
+    """Sequences whose prompt work counts as one piece: all the prompts of one client request (a completion
+    request's prompts, a score request's inputs) or a batch file's lines. The scheduler treats a sequence as
+    long work while its group's prompt tokens together exceed `long_prefill_threshold`, or while the group is
+    background work (a batch file), so many medium prompts in one request queue as one long prompt would:
+    behind short interactive requests, in chunks whose cost is bounded, never ahead of them."""
+
+    prompt_tokens: int  # the prompt tokens of every sequence of the group, together (a prompt shared by n
+    # completions counted once)
+    background: bool = False  # batch work (the Batch API, `moe-serve batch`): long work whatever its size
+
+    def is_long(self, threshold: int) -> bool:
+        """Long work: background, or prompts together of more than `threshold` tokens."""
+        return self.background or self.prompt_tokens > threshold
+
+
+@dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
     index: int  # which completion of its request
@@ -38,6 +55,7 @@ class Sequence:
     k_spec: KSpec  # the request's k: a fixed k, a top-p policy or "auto" (an int given here becomes a fixed k)
     kind: SequenceKind = SequenceKind.GENERATE
     params: SamplingParams = field(default_factory=SamplingParams)
+    group: WorkGroup | None = None  # the work it counts with (None: its own prompt alone)
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache

@@ -18,18 +18,28 @@ from moe_serve.engine.scheduler_output import SchedulerOutput
 ROOM_MARGIN = 0.6
 
 
+# A prefill-only step of at most this many tokens (a short request's prompt) measures the step's own
+# overhead, not its tokens: it updates step_overhead and leaves the per-token rates alone.
+TINY_PREFILL = 16
+
+
 class StepCosts:
     """What steps cost, from measured steps. A decode-only step: measured online. A prefill chunk of n
     tokens starting at position s: n * per_token + n * (s + n / 2) * per_pair, the second term its attention
-    (each token reads s + its index keys). A per-token average alone would let a long prompt's first chunk
-    stall the decodes: its tokens cost more than the short prompts' the average was learned from.
+    (each token reads s + its index keys). A step that only prefills also pays `step_overhead`, what any
+    step costs whatever its tokens (the runner's host work, the LM head, sampling; beside decodes it is part
+    of decode_step already). A per-token average alone would let a long prompt's first chunk stall the decodes:
+    its tokens cost more than the short prompts' the average was learned from; and without the overhead, a few
+    tiny prefills (a 4-token completion's) teach a per-token rate several times too high, and every chunk
+    after them shrinks to a sliver.
 
-    Both rates are fitted online, by least squares over the measured prefill steps with older steps
-    forgotten (weight FORGET per step), starting from the shape `calibrate` measured at start-up. The
-    start-up shape alone is not enough: it times cache-free prompts from position 0, while a joining
-    prompt's later chunks attend over the paged cache, which costs more per key (tiny benchmark model:
-    calibrated per_pair / per_token ~0.0003, measured ~0.001, and the last chunks of a 512-token prompt
-    ran 10-20% over their estimate)."""
+    The overhead is measured at start-up (a one-token prompt) and by every tiny prefill-only step after it (an
+    average). The two rates are fitted online, by least squares over the other measured prefill steps (their
+    seconds less the overhead) with older steps forgotten (weight FORGET per step), starting from the shape
+    `calibrate` measured at start-up. The start-up shape alone is not enough: it times cache-free prompts from
+    position 0, while a joining prompt's later chunks attend over the paged cache, which costs more per key
+    (tiny benchmark model: calibrated per_pair / per_token ~0.0003, measured ~0.001, and the last chunks of a
+    512-token prompt ran 10-20% over their estimate)."""
 
     FORGET = 0.8  # an observation's weight after each newer one (the EMA weight of a new one: 0.2)
     ANCHOR = 0.01  # pull towards the current rates, relative to the data's own weight
@@ -38,20 +48,28 @@ class StepCosts:
         self.decode_step: float | None = None  # seconds per step that only decodes
         self.per_token: float | None = None  # seconds per prefilled token, at context 0
         self.pair_ratio = 0.0  # per_pair / per_token
+        self.step_overhead = 0.0  # seconds a prefill-only step costs besides its tokens
         # Forgetting sums of the normal equations of seconds ~ per_token * tokens + per_pair * pairs:
         # tokens^2, tokens * pairs, pairs^2, tokens * seconds, pairs * seconds.
         self._sums = [0.0] * 5
 
     def calibrate(self, seconds_for: Callable[[int], float], short: int, long: int) -> None:
-        """The shape from two timed prompts, `short` and `long` tokens, each from position 0."""
+        """The shape from three timed prompts from position 0: one token (the step's own cost, less that one
+        token at the short prompt's rate), then `short` and `long` tokens (the per-token and attention rates)."""
         if long <= short:
             return
-        per_short, per_long = seconds_for(short) / short, seconds_for(long) / long
+        one, at_short, at_long = seconds_for(1), seconds_for(short), seconds_for(long)
+        overhead = max(one - (at_short - one) / max(short - 1, 1), 0.0)
+        if at_short - overhead <= 0.0:  # noise beyond what the one-token prompt can say: no overhead
+            overhead = 0.0
+        per_short, per_long = (at_short - overhead) / short, (at_long - overhead) / long
         per_pair = max(2.0 * (per_long - per_short) / (long - short), 0.0)
         self.per_token = max(per_short - per_pair * short / 2, per_short / 2)
         self.pair_ratio = per_pair / self.per_token
+        self.step_overhead = overhead
 
     def chunk_seconds(self, n: int, start: int) -> float:
+        """What a chunk adds to a step (the step's own overhead not included)."""
         assert self.per_token is not None
         return n * self.per_token * (1.0 + self.pair_ratio * (start + n / 2))
 
@@ -71,16 +89,22 @@ class StepCosts:
             return
         if decodes and self.decode_step is None:
             return
-        prefill_seconds = max(seconds - ((self.decode_step or 0.0) if decodes else 0.0), 0.0)
         chunks = [(s.num_tokens, s.start) for s in output.scheduled if not s.is_decode]
-        self._fit(sum(n for n, _ in chunks), sum(n * (start + n / 2) for n, start in chunks), prefill_seconds)
+        tokens, pairs = sum(n for n, _ in chunks), sum(n * (start + n / 2) for n, start in chunks)
+        if not decodes and prefill <= TINY_PREFILL and self.per_token is not None:
+            # A short request's prompt alone: its seconds are mostly the step's own.
+            token_seconds = tokens * self.per_token + pairs * self.per_token * self.pair_ratio
+            self.step_overhead = ema(self.step_overhead, max(seconds - token_seconds, 0.0))
+            return
+        base = (self.decode_step or 0.0) if decodes else self.step_overhead
+        self._fit(tokens, pairs, max(seconds - base, 0.0))
 
     def _fit(self, tokens: float, pairs: float, seconds: float) -> None:
         """Add one step to the forgetting least-squares fit and re-solve for both rates."""
         terms = (tokens * tokens, tokens * pairs, pairs * pairs, tokens * seconds, pairs * seconds)
         self._sums = [self.FORGET * old + new for old, new in zip(self._sums, terms, strict=True)]
         if self.per_token is None:  # no calibration (stateful routers): the first step gives the level
-            self.per_token = seconds / tokens
+            self.per_token = max(seconds / tokens, 1e-12)
         # (G + a D) rates = rhs + a D current, D = diag(G): where the steps so far do not tell the two rates
         # apart (every chunk at the same context), the rates stay near the current ones instead of
         # swinging along the line the data leave open.

@@ -77,8 +77,8 @@ def row_invariant(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch
     the last bit, so a token's result moved with its batch (silu: a row among 9 rows of 4 against the row
     alone; erf-gelu in bfloat16 on an AVX2 machine, though not with AVX-512: row 15 of 17 rows of 4); in
     float64 both paths are far below the rounding. relu, exp and softmax need none of this (tested:
-    tests/unit/kernels/test_row_invariance.py, on every machine the tests run on). Other devices compute every element alike, and the ONNX
-    tracer records the plain op."""
+    tests/unit/kernels/test_row_invariance.py, on every machine the tests run on). Other devices compute
+    every element alike, and the ONNX tracer records the plain op."""
 
     def wrapped(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or torch.jit.is_tracing() or x.dtype == torch.float64:

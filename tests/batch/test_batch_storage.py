@@ -19,10 +19,9 @@ import pytest
 
 from moe_serve.batch import core as core_module
 from moe_serve.batch import jobs as jobs_module
-from moe_serve.batch import store as store_module
 from moe_serve.batch.core import answer
 from moe_serve.batch.jobs import BatchJobs, JobConfig
-from moe_serve.batch.jsonl import BatchItem, LineResult, response_line
+from moe_serve.batch.jsonl import BatchItem, LineResult, response_line, to_json
 from moe_serve.batch.store import DATABASE, QuotaError, StorageError, Store
 from moe_serve.config import RequestLimits
 from tests.batch.test_batch_jobs import FakeAnswers, lines_of, request_line, submit
@@ -86,7 +85,7 @@ def test_a_full_disk_pauses_the_batch_which_then_completes_with_nothing_lost(
     batch_id = submit(store, [request_line(f"r{i}") for i in range(6)])
     full = sqlite3.OperationalError("database or disk is full")
     full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL, as sqlite raises it
-    monkeypatch.setattr(store_module, "_insert_results", failing(4, full, store_module._insert_results))
+    monkeypatch.setattr(store, "_insert_results", failing(4, full, store._insert_results))
     stages: list[str] = []
     jobs = BatchJobs(store, None, lambda: False, FAST, on_storage_error=stages.append)  # type: ignore[arg-type]
     seen = run_to_the_end(jobs)
@@ -250,10 +249,74 @@ def test_a_failed_upload_leaves_nothing_and_the_next_one_succeeds(
 
 
 def test_uploads_past_the_quota_are_refused_and_leave_nothing(store: Store) -> None:
-    store.add_file(io.BytesIO(b"a" * 600), "one.jsonl", "batch", max_stored_bytes=1000)
+    store.max_stored_bytes = 1000
+    store.add_file(io.BytesIO(b"a" * 600), "one.jsonl", "batch")
     with pytest.raises(QuotaError, match="--max-stored-bytes 1000") as raised:
-        store.add_file(io.BytesIO(b"b" * 600), "two.jsonl", "batch", max_stored_bytes=1000)
+        store.add_file(io.BytesIO(b"b" * 600), "two.jsonl", "batch")
     assert raised.value.is_full
     assert [f.filename for f in store.list_files(purpose=None, limit=10, order="asc", after=None)[0]] == ["one.jsonl"]
     assert len(list(store.files_dir.iterdir())) == 1 and store.stored_bytes() == 600
-    store.add_file(io.BytesIO(b"c" * 400), "three.jsonl", "batch", max_stored_bytes=1000)  # exactly full is fine
+    store.add_file(io.BytesIO(b"c" * 400), "three.jsonl", "batch")  # exactly full is fine
+
+
+def test_concurrent_uploads_cannot_pass_the_quota_together(store: Store) -> None:
+    """Six uploads of 600 bytes at once under 1,000: each chunk is taken from the quota before it is written,
+    so however the writes interleave the stored bytes never pass it, and what fails leaves nothing."""
+    import threading
+
+    store.max_stored_bytes = 1000
+    barrier, outcomes = threading.Barrier(6), []
+
+    def upload(i: int) -> None:
+        writer = store.begin_upload()
+        try:
+            try:
+                writer.write(b"a" * 300)
+            finally:
+                barrier.wait(timeout=30)  # all six have tried their first half before any writes its second
+            writer.write(b"b" * 300)
+            outcomes.append(writer.commit(f"{i}.jsonl", "batch"))
+        except QuotaError as exc:
+            outcomes.append(exc)
+        finally:
+            writer.abort()
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stored = [o for o in outcomes if not isinstance(o, QuotaError)]
+    assert len(outcomes) == 6 and len(stored) <= 1
+    assert store.stored_bytes() == 600 * len(stored) == sum(f.stat().st_size for f in store.files_dir.iterdir())
+
+
+def test_a_batchs_answers_count_against_the_quota_until_they_are_its_files(tmp_path: Path) -> None:
+    from tests.batch.test_batch_store import result
+
+    store = Store(tmp_path / "data", max_stored_bytes=10_000)
+    source = store.add_file(io.BytesIO(b"{}\n" * 10), "in.jsonl", "batch")
+    batch = store.add_batch("/v1/completions", source.id, "24h", None, 3600)
+    store.transition(batch.id, "in_progress", expected=("validating",), total=100)
+    answer_bytes = len(to_json(result(1).line).encode()) + 1
+    store.add_results(batch.id, [result(i) for i in range(1, 6)])
+    assert store.stored_bytes() == 30 + 5 * answer_bytes
+    store.add_results(batch.id, [result(1)])  # answered already: keeps its first answer, counts nothing more
+    assert store.stored_bytes() == 30 + 5 * answer_bytes
+    room = (10_000 - store.stored_bytes()) // answer_bytes
+    with pytest.raises(QuotaError, match="answers would pass the data dir's quota"):
+        store.add_results(batch.id, [result(i) for i in range(6, 6 + room + 1)])
+    assert store.done_lines(batch.id) == set(range(1, 6))  # all or nothing
+    store.transition(batch.id, "finalizing", expected=("in_progress",), outcome="completed")
+    done = store.finalize(batch.id)
+    output = store.get_file(done.output_file_id)
+    assert output.bytes == 5 * answer_bytes and store.stored_bytes() == 30 + output.bytes  # moved, not doubled
+    assert store.get_batch(batch.id).completed == 5  # the counts stay
+    store.close()
+    reopened = Store(tmp_path / "data", max_stored_bytes=10_000)  # counted again from what is stored
+    assert reopened.stored_bytes() == 30 + output.bytes
+    reopened.delete_file(output.id)
+    reopened.delete_file(source.id)
+    assert reopened.stored_bytes() == 0
+    db = sqlite3.connect(tmp_path / "data" / DATABASE)
+    assert db.execute("SELECT sum(length(output)) FROM results").fetchone() == (0,)  # the text left the database

@@ -1,7 +1,9 @@
 """The Files and Batch API over a real uvicorn server when its data dir fails: a
 corrupt database or a data dir that cannot be used is a 503 naming it on these routes while the model keeps
 serving (and the server starts); a full disk is a 507 that leaves no partial upload behind; the quota on
-stored files; and a batch that meets a full disk pauses, counts it in /metrics, and completes."""
+stored bytes (uploads checked as they arrive, concurrent ones together, a batch's answers); uploads never
+spooled to the system temp dir; and a batch that meets a full disk pauses, counts it in /metrics, and
+completes."""
 
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ import httpx
 import openai
 import pytest
 
-from moe_serve.batch import store as store_module
 from moe_serve.batch.jobs import JobConfig
-from moe_serve.batch.store import DATABASE
+from moe_serve.batch.store import DATABASE, Store
 from moe_serve.server.settings import ServerSettings
 from tests.server.conftest import RunningServer, start_server
 from tests.server.test_batches_api import TERMINAL, content, request, upload
@@ -138,15 +139,15 @@ def test_a_batch_meeting_a_full_disk_pauses_and_completes_with_every_answer(
     input_file = upload(sdk, [request(f"r{i}", {"prompt": f"line {i}", "max_tokens": 3}) for i in range(6)])
     full = sqlite3.OperationalError("database or disk is full")
     full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL
-    real, left = store_module._insert_results, {"n": 3}
+    real, left = Store._insert_results, {"n": 3}
 
-    def insert_results(*args) -> None:
+    def insert_results(*args, **kwargs) -> None:
         if left["n"] > 0:
             left["n"] -= 1
             raise full
-        real(*args)
+        real(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "_insert_results", insert_results)
+    monkeypatch.setattr(Store, "_insert_results", insert_results)
     batch = sdk.batches.create(input_file_id=input_file, endpoint="/v1/completions", completion_window="24h")
     seen, deadline = set(), time.monotonic() + 120
     while batch.status not in TERMINAL and time.monotonic() < deadline:
@@ -161,3 +162,60 @@ def test_a_batch_meeting_a_full_disk_pauses_and_completes_with_every_answer(
     metrics = httpx.get(server.url + "/metrics").text
     assert 'moe_serve_batch_storage_errors_total{stage="in_progress"} 3.0' in metrics
     assert json.dumps(output)  # the output is whole JSON
+
+
+def test_uploads_stream_into_the_data_dir_never_the_system_temp_dir(
+    artifacts, tmp_path: Path, running: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-temp-dir"))  # a spooled upload would fail here
+    data_dir = tmp_path / "data"
+    running.append(server := serve(artifacts, data_dir, max_stored_bytes=4 << 20))
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stored = sdk.files.create(file=("big.jsonl", b"{}\n" * 1_000_000), purpose="batch")  # 3 MB
+    assert stored.bytes == 3_000_000
+    for _ in range(3):  # past the quota: refused as the bytes arrive, nothing left behind
+        with pytest.raises(openai.APIStatusError) as over:
+            sdk.files.create(file=("more.jsonl", b"{}\n" * 1_000_000), purpose="batch")
+        assert over.value.status_code == 507 and "--max-stored-bytes" in over.value.response.json()["error"]["message"]
+    assert [p.name for p in (data_dir / "files").iterdir()] == [stored.id]
+    assert server.app.state.batches.store.stored_bytes() == 3_000_000
+    with httpx.Client(base_url=server.url, timeout=60) as http:  # refused by name before any file data is stored
+        response = http.post(
+            "/v1/files", data={"purpose": "batch", "expires_after[anchor]": "x"}, files={"file": b"{}"}
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == "expires_after"
+        response = http.post("/v1/files", content=b"{}", headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "multipart/form-data" in response.json()["error"]["message"]
+    assert [p.name for p in (data_dir / "files").iterdir()] == [stored.id]
+
+
+def test_a_batch_waits_at_the_quota_and_a_cancel_ends_it_with_what_is_stored(
+    artifacts, tmp_path: Path, running: list[RunningServer]
+) -> None:
+    """The answers count against the quota: a batch that would pass it stops there (it is not failed) and a
+    cancel ends it with the answers stored; the stored bytes never pass the quota."""
+    quota = 3000
+    running.append(server := serve(artifacts, tmp_path / "data", max_stored_bytes=quota))
+    server.app.state.batches.config = JobConfig(retry_delay=0.05, max_retry_delay=0.2)  # before the worker starts
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}  # answers of ~1 KB each
+    input_file = upload(sdk, [request(f"r{i}", {"prompt": f"line {i}", **body}) for i in range(8)])
+    batch = sdk.batches.create(input_file_id=input_file, endpoint="/v1/completions", completion_window="24h")
+    store: Store = server.app.state.batches.store
+    deadline, counts = time.monotonic() + 60, []
+    while time.monotonic() < deadline and (len(counts) < 20 or counts[-1] != counts[-20]):
+        batch = sdk.batches.retrieve(batch.id)
+        counts.append(batch.request_counts.completed)
+        assert store.stored_bytes() <= quota
+        time.sleep(0.05)
+    assert batch.status == "in_progress" and 0 < counts[-1] < 8, (batch.status, counts)
+    sdk.batches.cancel(batch.id)
+    deadline = time.monotonic() + 60
+    while batch.status not in TERMINAL and time.monotonic() < deadline:
+        batch = sdk.batches.retrieve(batch.id)
+        time.sleep(0.05)
+    assert batch.status == "cancelled" and batch.request_counts.completed == counts[-1]
+    assert len(content(sdk, batch.output_file_id)) == counts[-1]
+    assert store.stored_bytes() <= quota

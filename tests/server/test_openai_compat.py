@@ -145,6 +145,28 @@ def test_a_field_we_do_not_implement_is_refused_by_name(client: httpx.Client, en
     assert client.post(endpoint, json={**body, field: off}).status_code == 200
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "options,param",
+    [
+        ({"continuous_usage_stats": True}, "stream_options"),
+        ({"include_usage": True, "per_chunk": 1}, "stream_options.per_chunk"),
+    ],
+    ids=["vLLM's continuous_usage_stats", "an unknown option"],
+)
+def test_a_stream_option_we_do_not_implement_is_refused_by_name(
+    client: httpx.Client, endpoint: str, options: dict, param: str
+) -> None:
+    body = {**LM, "max_tokens": 1, "stream": True}
+    body |= {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    refused = client.post(endpoint, json={**body, "stream_options": options})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == param and next(iter(options.keys() - {"include_usage"})) in error["message"]
+    off = {"include_usage": True, "continuous_usage_stats": False}  # the value that means "not used" is accepted
+    assert client.post(endpoint, json={**body, "stream_options": off}).status_code == 200
+
+
 # ---- Hugging Face's template environment ---------------------------------------------------------------
 
 MIXTRAL_TEMPLATE = (

@@ -227,18 +227,6 @@ def test_the_onnx_export_refuses_packed_weights(tmp_path: Path, float_artifact: 
         export_onnx(out, tmp_path / "onnx", verify=False)
 
 
-def test_weights_that_cannot_be_packed_are_refused_by_name(tmp_path: Path, capsys) -> None:
-    from moe_serve.cli import main
-
-    config = lm_config()
-    state = random_state_dict(config)
-    state["lm_head.weight"][3, 5] = float("nan")
-    src = save_artifact(tmp_path / "float", config, state, Tokenizer(byte_level_tokenizer()))
-    assert main(["quantize", str(src), str(tmp_path / "out"), "--weights", "int8", "--quiet"]) == 2
-    assert "'lm_head.weight' holds NaN or infinite values" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.slow
 def test_a_quantized_classifier_classifies_as_the_float_model_of_its_dequantized_weights(tmp_path: Path) -> None:
     config = classifier_config(hidden_size=64)
