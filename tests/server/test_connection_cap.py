@@ -18,6 +18,7 @@ import pytest
 
 from moe_serve.server.http_server import PROBE_CONNECTIONS
 from tests.conftest import free_port
+from tests.server.test_errors_and_limits import wait_ready
 
 FILE_LIMIT = 600
 FLOOD = 700  # past the file limit: without the cap the accepts fail for want of descriptors
@@ -52,12 +53,7 @@ def test_a_flood_of_idle_connections_gets_503s_within_the_file_limit(artifacts, 
     url = f"http://127.0.0.1:{port}"
     flood: list[socket.socket] = []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_ready(url)
         lowered = re.search(r"--max-connections 1024 lowered to (\d+)", log_path.read_text())
         assert lowered is not None, log_path.read_text()
         fitted = int(lowered.group(1))

@@ -152,13 +152,18 @@ def serve_process(artifact, *args: str) -> tuple[subprocess.Popen, str]:
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    return process, url
+
+
+def wait_ready(url: str) -> None:
+    """Until the server at `url` answers /ready 200 (at most about a minute)."""
     for _ in range(600):
         try:
             if httpx.get(url + "/ready").status_code == 200:
-                break
+                return
         except httpx.TransportError:
             time.sleep(0.1)
-    return process, url
 
 
 @pytest.mark.slow
