@@ -327,21 +327,23 @@ def test_openapi_lists_what_happens(client) -> None:
 
 # ---- 2: memory is bounded by the step's token budget, whatever the request ---------------------------
 
+# The peak is VmHWM, this process's own high-water mark. Not getrusage's ru_maxrss: Linux carries the parent's peak
+# across fork and exec into it, so under a full test run it reported pytest's 3.2 GB, not the script's.
 PEAK_SCRIPT = """
-import json, resource, sys
+import json
 from moe_serve import LLM
 llm = LLM("shakespeare-smoe")
 text = ("To be, or not to be, that is the question. " * 200)[:3990]
 scores = llm.score([text] * 32)
-print(json.dumps({"tokens": sum(s.num_tokens for s in scores),
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"tokens": sum(s.num_tokens for s in scores), "peak_rss_mib": peak_kib / 1024}))
 """
 
 
 @pytest.mark.slow
 def test_scoring_32_inputs_of_4000_tokens_stays_within_a_bounded_memory() -> None:
-    """Measured once (the closing note's figure) and bounded here: before the token budget this request
-    needed about 34 GB; attention now works on chunks of at most max_num_batched_tokens queries."""
+    """Before the token budget this request needed about 34 GB; attention now works on chunks of at most
+    max_num_batched_tokens queries. Measured at 0.95 GB (the 1 GiB KV cache is touched as it fills)."""
     import subprocess
     import sys
 
@@ -349,4 +351,4 @@ def test_scoring_32_inputs_of_4000_tokens_stays_within_a_bounded_memory() -> Non
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["tokens"] > 32 * 3900
-    assert figures["peak_rss_mib"] < 3 * 1024, figures
+    assert figures["peak_rss_mib"] < 2 * 1024, figures
