@@ -124,9 +124,8 @@ class LLM:
         self.inputs.require_task("sequence_classification", "classify")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, moe, len(text_list))
-        token_ids = [
-            self.inputs.check_classify_input(self.inputs.encode_text(t, "input"), i) for i, t in enumerate(text_list)
-        ]
+        encoded = self.inputs.encode_texts(text_list, "input")
+        token_ids = [self.inputs.check_classify_input(ids, i) for i, ids in enumerate(encoded)]
         added = self._run(
             lambda rid, i: self.engine.add_inputs(rid, [token_ids[i]], ks[i], SequenceKind.CLASSIFY),
             len(token_ids),
@@ -149,7 +148,7 @@ class LLM:
         self.inputs.require_task("causal_lm", "score")
         text_list = _as_text_list(texts, "input")
         ks = self._resolve_ks(experts_per_token, moe, len(text_list))
-        token_ids = [self.inputs.check_score_input(self.inputs.encode_text(t, "input")) for t in text_list]
+        token_ids = [self.inputs.check_score_input(ids) for ids in self.inputs.encode_texts(text_list, "input")]
         added = self._run(
             lambda rid, i: self.engine.add_inputs(rid, [token_ids[i]], ks[i], SequenceKind.SCORE),
             len(token_ids),

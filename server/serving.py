@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moe_serve.api import protocol as p
 from moe_serve.api import responses
 from moe_serve.api.errors import api_error
-from moe_serve.api.prepare import GenerationJob, prepare_chat, prepare_completion, prepare_pooling
+from moe_serve.api.prepare import GenerationJob, admission_bound, prepare_chat, prepare_completion, prepare_pooling
 from moe_serve.api.prepare import detokenize as prepare_detokenize
 from moe_serve.api.prepare import tokenize as prepare_tokenize
 from moe_serve.engine.async_engine import AsyncEngine, GenerationStream, RequestUpdate, SequenceUpdate
@@ -188,6 +188,7 @@ async def _merged(streams: Sequence[AsyncIterator[RequestUpdate]]) -> AsyncItera
 
 async def completions(ctx: ServingContext, request: p.CompletionRequest, http: Request) -> Any:
     served, request = ctx.resolve(request)
+    served.engine.check_room(*admission_bound(served.engine.inputs, request))  # a 429 before tokenizing
     job = await ctx.prepare(prepare_completion, served.engine.inputs, request, ctx.settings.limits)
     _annotate(http.state, served.name, k_label(job.reported_k, job.k), job.prompt_tokens)
     # Admitted (or refused: 429, 503) before a response starts.
@@ -300,6 +301,7 @@ def _event_stream(
 
 async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Request) -> Any:
     served, request = ctx.resolve(request)
+    served.engine.check_room(*admission_bound(served.engine.inputs, request))  # a 429 before tokenizing
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
     _annotate(http.state, served.name, label, job.prompt_tokens)
@@ -312,6 +314,7 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> Any:
     served, request = ctx.resolve(request)
+    served.engine.check_room(*admission_bound(served.engine.inputs, request))  # a 429 before tokenizing
     job = await ctx.prepare(prepare_pooling, served.engine.inputs, request, ctx.settings.limits)
     label = k_label(job.reported_k, job.k)
     _annotate(http.state, served.name, label, job.prompt_tokens)

@@ -72,6 +72,26 @@ class PoolingJob:
         return sum(map(len, self.token_ids))
 
 
+def admission_bound(
+    inputs: InputProcessor, request: p.CompletionRequest | p.ClassifyRequest | p.ScoreRequest
+) -> tuple[int, int]:
+    """(sequences, a lower bound of their prompt tokens together) that a request will ask the engine for,
+    read from its body without tokenizing: AsyncEngine.check_room refuses with these what the engine would
+    refuse anyway, before the request is prepared. A text has at least one token per max_token_chars
+    characters."""
+    texts: list[str] | list[str | list[int]]
+    if isinstance(request, p.CompletionRequest):
+        texts = request.prompts()
+        per_prompt = (request.n or 1) if request.max_tokens != 0 else 1  # max_tokens 0: the prompts are scored
+    else:
+        texts = [request.input] if isinstance(request.input, str) else list(request.input)
+        per_prompt = 1
+    chars = inputs.tokenizer.max_token_chars
+    bos = int(inputs.config.add_bos_token)
+    tokens = sum(len(x) if isinstance(x, list) else bos + -(-len(x) // chars) for x in texts)
+    return len(texts) * per_prompt, tokens
+
+
 def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, limits: RequestLimits) -> GenerationJob:
     inputs.require_task("causal_lm", "/v1/completions")
     params = request.to_sampling_params(limits.max_tokens_cap, request.logprobs)
@@ -80,7 +100,8 @@ def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, lim
         raise ValidationError(
             f"prompt has {len(texts)} prompts; at most {limits.max_prompts} per request", parameter="prompt"
         )
-    prompts = [inputs.encode_text(x, "prompt") if isinstance(x, str) else x for x in texts]
+    encoded = iter(inputs.encode_texts([x for x in texts if isinstance(x, str)], "prompt"))
+    prompts = [next(encoded) if isinstance(x, str) else x for x in texts]
     limits.check_work([len(ids) for ids in prompts], "prompt")
     requests = [inputs.generation_request(ids, params) for ids in prompts]
     k = inputs.config.reported_k(requests[0].k)
@@ -116,7 +137,7 @@ def prepare_pooling(
             f"input has {len(texts)} items; at most {limits.max_inputs} per request", parameter="input"
         )
     k = inputs.resolve(request.experts_per_token, request.moe.to_policy() if request.moe is not None else None)
-    token_ids = [inputs.encode_text(text, "input") for text in texts]
+    token_ids = inputs.encode_texts(texts, "input")
     limits.check_work([len(ids) for ids in token_ids], "input")
     for index, ids in enumerate(token_ids):
         (inputs.check_score_input if is_score else inputs.check_classify_input)(ids, index)

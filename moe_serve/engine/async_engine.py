@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from moe_serve.engine.inputs import GenerationRequest, InputProcessor
 from moe_serve.engine.llm_engine import LLMEngine
 from moe_serve.engine.runner import LoadedModel
 from moe_serve.engine.sequence import Sequence, SequenceKind, WorkGroup
-from moe_serve.errors import EngineOverloadedError, EngineStoppedError
+from moe_serve.errors import EngineOverloadedError, EngineStoppedError, ValidationError
 from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import (
     ClassificationOutput,
@@ -36,6 +37,8 @@ from moe_serve.outputs import (
 )
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL = 0.001  # seconds: the GIL switch interval while an engine thread runs (AsyncEngine.__init__)
 
 
 @dataclass(slots=True)
@@ -175,6 +178,12 @@ class AsyncEngine:
         # work filling the queue never makes another's short request a 429.
         self._waiting_long = 0
         self._threshold = engine.config.long_prefill_threshold
+        # The engine thread shares the GIL with the serving threads (the event loop, request preparation), and
+        # each of its tensor ops gives the GIL up and must win it back: beside a thread running Python, every
+        # op can wait a whole switch interval. 1 ms instead of Python's 5 (process-wide, only ever lowered):
+        # a step of 20 ops took 136 ms beside a thread tokenizing per text at 5 ms, 33 ms at 1 ms, 5 ms alone
+        # (benchmarks/gil_contention.py).
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.artifact.name}", daemon=True)
         self._thread.start()
 
@@ -244,8 +253,9 @@ class AsyncEngine:
     # ---- generation -----------------------------------------------------------------------------
 
     def submit(self, requests: list[GenerationRequest], background: bool = False) -> list[GenerationStream]:
-        """Admit requests now, all or none (EngineOverloadedError, EngineStoppedError): call this before a
-        response starts, so that a refusal can still be a 429 or 503. Iterate each stream for its updates.
+        """Admit requests now, all or none (EngineOverloadedError, EngineStoppedError; ValidationError for
+        more sequences than the queue ever holds): call this before a response starts, so that a refusal can
+        still be a 429, 503 or 400. Iterate each stream for its updates.
         The requests are one piece of work (the prompts of one client request): their prompt tokens count
         together, and `background` (batch work) puts it behind interactive work whatever its size."""
         group = WorkGroup(sum(len(r.prompt_token_ids) for r in requests), background)
@@ -303,21 +313,41 @@ class AsyncEngine:
         count = sum(s.num_sequences for s in submissions)
         long = any(s.group is not None and s.group.is_long(self._threshold) for s in submissions)
         with self._lock:
-            if self._stopping:
-                raise EngineStoppedError("the server is shutting down")
-            waiting = self._num_waiting_of(long)
-            if waiting + count > self.max_waiting:
-                kind = (
-                    "sequences of long work (prompts together over --long-prefill-threshold)" if long else "sequences"
-                )
-                raise EngineOverloadedError(
-                    f"{waiting} {kind} are waiting and this request adds {count} (limit {self.max_waiting})"
-                )
+            self._refuse_if_full(count, [long])
             for submission in submissions:
                 self._inbox.append(submission)
                 self._streams[submission.request_id] = submission.stream
             self._lock.notify()
         return submissions
+
+    def check_room(self, count: int, min_prompt_tokens: int, background: bool = False) -> None:
+        """Refuse work now (EngineOverloadedError, EngineStoppedError) that `submit`, `classify` or `score`
+        would refuse, before its inputs are tokenized: `count` sequences whose prompts together have at least
+        `min_prompt_tokens` tokens. Clients refused with 429 retry, and a server that tokenized 130,000
+        tokens of text to refuse them each time spent the engine thread's time on it (the GIL). Work not
+        certainly long is refused only when both classes are full; `_submit` checks again, exactly."""
+        if count > self.max_waiting:
+            return  # never admitted, but a 400 (_refuse_if_full), after preparation names what else is wrong
+        long = WorkGroup(min_prompt_tokens, background).is_long(self._threshold)
+        with self._lock:
+            self._refuse_if_full(count, [True] if long else [False, True])
+
+    def _refuse_if_full(self, count: int, classes: list[bool]) -> None:
+        """Raise unless `count` more sequences fit the waiting limit of one of the classes (long work or not)
+        the work may be of (called under the lock)."""
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        if count > self.max_waiting:  # a 400, not a 429 that a client (or a batch) would retry without end
+            raise ValidationError(
+                f"this request is {count} sequences (its prompts or inputs, times n), more than this server ever "
+                f"queues at once ({self.max_waiting}, --max-waiting)"
+            )
+        waiting, long = min((self._num_waiting_of(long), long) for long in classes)
+        if waiting + count > self.max_waiting:
+            kind = "sequences of long work (prompts together over --long-prefill-threshold)" if long else "sequences"
+            raise EngineOverloadedError(
+                f"{waiting} {kind} are waiting and this request adds {count} (limit {self.max_waiting})"
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -140,6 +141,44 @@ def test_overload_gets_429_with_retry_after_and_accepted_requests_complete(artif
             assert r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
         else:
             assert len(r.json()["choices"][0]["text"]) > 0
+
+
+def test_work_the_queue_cannot_take_is_refused_before_it_is_tokenized(artifacts, monkeypatch) -> None:
+    """A client refused with 429 retries; the server refuses its heavy request from the body's size alone,
+    never tokenizing 130,000 tokens of text to say no (that stalled the engine thread: the GIL)."""
+    running = start_server(
+        ServerSettings(
+            models=(str(artifacts["lm"]),),
+            engine=EngineConfig(max_waiting=2, max_num_seqs=1, long_prefill_threshold=32),
+        )
+    )
+    (served,) = running.app.state.ctx.models.values()
+    tokenizer, release = served.engine.inputs.tokenizer, threading.Event()
+    tokenized: list[str] = []
+    encode_many, step = tokenizer.encode_many, served.engine.engine.step
+    monkeypatch.setattr(tokenizer, "encode_many", lambda texts: tokenized.extend(texts) or encode_many(texts))
+    monkeypatch.setattr(served.engine.engine, "step", lambda: release.wait(timeout=30) and step())
+    admitted, refused = ["a" * 40, "b" * 40], ["c" * 40, "d" * 40]  # 41 tokens each with BOS: long work
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
+            first = asyncio.ensure_future(http.post("/v1/score", json={"input": admitted}))
+            for _ in range(300):
+                if served.engine.num_waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            second = await http.post("/v1/score", json={"input": refused})
+            release.set()
+            return await first, second
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        release.set()
+        running.stop()
+    assert second.status_code == 429 and "long work" in second.json()["error"]["message"]
+    assert first.status_code == 200 and len(first.json()["data"]) == 2
+    assert tokenized == admitted  # the refused texts were never tokenized
 
 
 def serve_process(artifact, *args: str) -> tuple[subprocess.Popen, str]:

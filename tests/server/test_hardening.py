@@ -116,12 +116,13 @@ def crowded(artifacts):
     running.stop()
 
 
-def test_overload_refuses_streams_with_429_and_multi_prompt_requests_whole(crowded) -> None:
+def test_overload_refuses_streams_with_429_and_work_larger_than_the_queue_with_400(crowded) -> None:
     engine = crowded.app.state.ctx.models["tiny-lm"].engine
     with httpx.Client(base_url=crowded.url, timeout=60) as http:
-        # Eight prompts against a queue of four: refused whole, nothing of it left running.
+        # Eight prompts against a queue of four can never be admitted: a 400 (a 429 would be retried without
+        # end), nothing of it left running.
         many = http.post("/v1/completions", json={"prompt": ["p"] * 8, "max_tokens": 64, "ignore_eos": True})
-        assert many.status_code == 429 and many.headers["Retry-After"] == "1"
+        assert many.status_code == 400 and "more than this server ever queues at once (4" in many.text
         assert engine.num_waiting == 0 and engine.num_running == 0 and engine.num_requests == 0
 
         async def flood() -> list[httpx.Response]:
@@ -167,15 +168,15 @@ def test_unknown_paths_and_401s_do_not_grow_metric_labels(artifacts) -> None:
 def test_a_slow_tokenization_does_not_stall_other_requests(server, client, monkeypatch) -> None:
     tokenizer = server.app.state.ctx.models["tiny-lm"].engine.inputs.tokenizer
     release, entered = threading.Event(), threading.Event()
-    original = tokenizer.encode
+    original = tokenizer.encode_many
 
-    def slow_encode(text: str) -> list[int]:
-        if text == "slow":
+    def slow_encode(texts: list[str]) -> list[list[int]]:
+        if texts == ["slow"]:
             entered.set()
             release.wait(timeout=30)
-        return original(text)
+        return original(texts)
 
-    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(tokenizer, "encode_many", slow_encode)
     slow: dict = {}
     worker = threading.Thread(
         target=lambda: slow.update(r=httpx.post(server.url + "/v1/completions", json={**LM, "prompt": "slow"}))
