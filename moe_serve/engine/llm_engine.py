@@ -296,6 +296,7 @@ class LLMEngine:
     ) -> None:
         """What the step's timing teaches: the scheduler's cost model, and auto k's latency controller."""
         self.scheduler.costs.observe(output, ended - started)
+        self.scheduler.step_took(ended - started)
         if self._auto_k_clock is not None:
             idle = not self.scheduler.has_unfinished()
             self._auto_k_clock.end_step(output, result.sample_items, sampled_at, ended, self.num_waiting, idle)

@@ -68,7 +68,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
-        self._quiet_seconds = 0.0  # estimated seconds of the consecutive steps that ran long work only
+        self._quiet_seconds = 0.0  # measured seconds of the consecutive steps that ran long work only
+        self._quiet_step = False  # the step last scheduled runs long work only
         self._budget = 0  # tokens left in the step being scheduled
         self._room: float | None = None  # seconds of prefill left beside its decodes (None: nothing decodes)
         self._long_room: float | None = None  # seconds left to long chunks when nothing decodes
@@ -144,15 +145,18 @@ class Scheduler:
         self._run(longs, out, long=True)
         self._admit(out, long=True)
         self._long_alone = False
-        self._quiet_seconds = self._quiet_seconds + self._estimate(out) if quiet else 0.0
+        self._quiet_step = quiet
+        if not quiet:
+            self._quiet_seconds = 0.0
         return out
 
-    def _estimate(self, out: SchedulerOutput) -> float:
-        """A step's seconds by the cost model (0 before it knows any)."""
-        if not self.costs.per_token:
-            return 0.0
-        chunks = sum(self.costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode)
-        return self.costs.step_overhead + chunks
+    def step_took(self, seconds: float) -> None:
+        """The measured seconds of the step last scheduled. Quiet time is counted in measured seconds, not by
+        the cost model: where the model overestimated capped steps, 0.1 s of them by its count passed in less
+        than a client's gap between requests, and its next request met a step of long_prefill_alone_seconds
+        (probe maxima of 16x in benchmarks/fair_share.py)."""
+        if self._quiet_step:
+            self._quiet_seconds += seconds
 
     def _run(self, seqs: list[Sequence], out: SchedulerOutput, long: bool = False) -> None:
         """The next chunk (or decode) of running sequences, in order, while the budget lasts (and, for long

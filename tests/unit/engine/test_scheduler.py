@@ -25,10 +25,20 @@ def seq(prompt_len: int, k: int = 2, name: str = "r", first: int = 0, kind=Seque
     return Sequence(name, 0, tokens, prompt_len, k, kind)
 
 
+def estimated_seconds(scheduler: Scheduler, out: SchedulerOutput) -> float:
+    """A step's seconds by the scheduler's cost model: what a pretended step took."""
+    if not scheduler.costs.per_token:
+        return 0.0
+    chunks = sum(scheduler.costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode)
+    return scheduler.costs.step_overhead + chunks
+
+
 def run_step(scheduler: Scheduler, sample: int = 7) -> list[tuple[str, int]]:
-    """Schedule, pretend to compute, append a sampled token where the prompt is complete."""
+    """Schedule, pretend to compute (taking the cost model's seconds), append a sampled token where the
+    prompt is complete."""
     out = scheduler.schedule()
     scheduler.update(out)
+    scheduler.step_took(estimated_seconds(scheduler, out))
     for item in out.scheduled:
         if item.completes_prompt and item.seq.kind is SequenceKind.GENERATE:
             item.seq.token_ids.append(sample)
@@ -419,6 +429,26 @@ def test_long_prompts_alone_take_chunks_of_the_alone_step_time_and_shrink_when_a
     assert short == "short" and name == "score" and n <= 64 and s.costs.chunk_seconds(n, start) < 0.2
 
 
+def test_quiet_time_before_long_chunks_is_measured_not_estimated() -> None:
+    """Steps the cost model thinks cost 32 ms but that took 1 ms each are 1 ms of quiet apiece: a client's
+    next request, 50 ms after its last, never meets a step of long_prefill_alone_seconds."""
+    s = make_fair(budget=2048, threshold=64, num_blocks=8192, alone_seconds=0.2)
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.0001
+    s.add(long := seq(20000, name="score", kind=SequenceKind.SCORE))
+    capped = s.costs.chunk_seconds(64, 0)  # long_prefill_chunk tokens at the start of a prompt
+    for _ in range(round(QUIET_SECONDS_BEFORE_LONG_CHUNKS * 1000) - 1):  # 1 ms short of the quiet time
+        start = long.num_computed_tokens
+        out = s.schedule()
+        s.update(out)
+        s.step_took(0.001)
+        [item] = out.scheduled
+        assert s.costs.chunk_seconds(item.num_tokens, start) <= capped + 1e-12
+    s.step_took(0.001)  # the step just run ends the quiet time
+    start = long.num_computed_tokens
+    [(_, n)] = run_step(s)
+    assert 3 * capped < s.costs.chunk_seconds(n, start) <= 0.2 + 1e-12
+
+
 def test_the_step_that_admits_a_short_request_keeps_the_join_stall_bound() -> None:
     s = make_fair(budget=2048, threshold=64, num_blocks=1024)
     s.costs.decode_step, s.costs.per_token = 0.010, 0.0005
@@ -472,6 +502,7 @@ def engine_step(s: Scheduler) -> float:
     the heavy completions of max_tokens 1 finish). -> the step's prefill seconds by the cost model."""
     out = s.schedule()
     s.update(out)
+    s.step_took(estimated_seconds(s, out))
     for item in out.scheduled:
         if item.completes_prompt:
             if item.seq.kind is SequenceKind.SCORE or item.seq.request_id != "probe":
