@@ -34,9 +34,9 @@ def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, ServedM
     for name in names:
         model = load_servable(name, settings.engine)
         engine = AsyncEngine.start(model, settings.engine, track_expert_load=settings.expert_metrics != "off")
-        model_name = engine.artifact.name
+        model_name, *aliases = settings.served_model_name or (engine.artifact.name,)
         metrics.watch(model_name, engine, engine.artifact.quality)
-        served[model_name] = ServedModel(model_name, engine.artifact, engine, int(time.time()))
+        served[model_name] = ServedModel(model_name, engine.artifact, engine, int(time.time()), tuple(aliases))
     return served
 
 

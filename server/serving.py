@@ -10,7 +10,7 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -38,10 +38,27 @@ K_SUFFIX = ":k"  # "shakespeare-smoe:k1": the model at k = 1
 
 @dataclass(slots=True)
 class ServedModel:
-    name: str
+    name: str  # what responses, /v1/models and metrics report
     artifact: LoadedModel
     engine: AsyncEngine
     created: int
+    aliases: tuple[str, ...] = ()  # more names a request may give (--served-model-name NAME ALIAS ...)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def reported(self, asked: str | None) -> str:
+        """The model a response names: as asked (a `name:k<k>` variant is echoed, not its base), but an
+        alias as the model's first name, as vLLM reports its first --served-model-name."""
+        if asked is None:
+            return self.name
+        for alias in self.aliases:
+            if asked == alias:
+                return self.name
+            if asked.startswith(alias + K_SUFFIX):
+                return self.name + asked[len(alias) :]
+        return asked
 
     def card(self, k: int | None = None) -> p.ModelCard:
         """The model's card; with k, the card of its `name:k<k>` variant (that k fixed)."""
@@ -95,18 +112,24 @@ class ServingContext:
 
         return await self.prepare(render)
 
+    @property
+    def names(self) -> dict[str, ServedModel]:
+        """Every name a request may give a model by: its name and its aliases."""
+        return {name: served for served in self.models.values() for name in served.names}
+
     def model(self, name: str | None) -> ServedModel:
         """The served model a request names (a `:k<k>` suffix allowed; `resolve` applies it)."""
-        name = split_k_suffix(name, self.models)[0]
+        names = self.names
+        name = split_k_suffix(name, names)[0]
         if name is None:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
             raise ValidationError(
                 f"model is required when several models are served ({', '.join(self.models)})", parameter="model"
             )
-        if name not in self.models:
-            raise ModelNotFoundError(name, list(self.models))
-        return self.models[name]
+        if name not in names:
+            raise ModelNotFoundError(name, list(names))
+        return names[name]
 
     def tokenizer_model(self, name: str | None) -> ServedModel:
         """The model whose tokenizer /tokenize, /detokenize and /tokenizer_info use: the named one, or any
@@ -123,7 +146,7 @@ class ServingContext:
         """The model of an API request, and the request as that model serves it: a `name:k<k>` name fixes
         experts_per_token (a copy of the request with it set; a different experts_per_token in the same
         request is a 400). The request itself is never changed."""
-        name, k = split_k_suffix(request.model, self.models)
+        name, k = split_k_suffix(request.model, self.names)
         served = self.model(name)
         if k is None:
             return served, request
@@ -138,8 +161,9 @@ class ServingContext:
         return served, fixed
 
 
-def split_k_suffix(name: str | None, served: dict[str, ServedModel]) -> tuple[str | None, int | None]:
-    """ "smoe:k2" -> ("smoe", 2) when "smoe" is served (a served name that itself ends so wins)."""
+def split_k_suffix(name: str | None, served: Mapping[str, ServedModel]) -> tuple[str | None, int | None]:
+    """ "smoe:k2" -> ("smoe", 2) when "smoe" is served (`served`: by every name; a served name that itself
+    ends so wins)."""
     if name is None or name in served or K_SUFFIX not in name:
         return name, None
     base, _, k = name.rpartition(K_SUFFIX)
@@ -214,7 +238,7 @@ async def completions(ctx: ServingContext, request: p.CompletionRequest, http: R
         ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = sum(r.num_generated_tokens for r in results or [])
     tokenizer = served.artifact.tokenizer
-    model = request.model or served.name  # as asked: a `name:k<k>` variant is echoed, not its base
+    model = served.reported(request.model)
     # Off the event loop: with echo and logprobs, thousands of tokens and their alternatives to decode.
     return await ctx.respond(responses.completion_response, model, job, results, tokenizer, None, prompt_scores)
 
@@ -237,7 +261,7 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
     )
     ctx.metrics.record_experts(served.name, job.k, result.experts)
     http.state.completion_tokens = result.num_generated_tokens
-    return responses.chat_response(request.model or served.name, job, result, served.artifact.tokenizer)
+    return responses.chat_response(served.reported(request.model), job, result, served.artifact.tokenizer)
 
 
 def _event_stream(
@@ -257,7 +281,7 @@ def _event_stream(
     kind: Literal["text_completion", "chat.completion.chunk"] = (
         "text_completion" if endpoint == "completions" else "chat.completion.chunk"
     )
-    header = responses.StreamHeader.new(model or served.name, kind)  # the model as the client named it
+    header = responses.StreamHeader.new(served.reported(model), kind)
 
     async def events() -> AsyncIterator[str]:
         if first:
@@ -309,7 +333,7 @@ async def classify(ctx: ServingContext, request: p.ClassifyRequest, http: Reques
     results = await _unless_disconnected(http, served.engine.classify(job.token_ids, job.k))
     ctx.metrics.record_pooling(served.name, "classify", label, time.monotonic() - start, job.prompt_tokens)
     ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
-    return await ctx.respond(responses.classify_response, request.model or served.name, job, results)
+    return await ctx.respond(responses.classify_response, served.reported(request.model), job, results)
 
 
 async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> Any:
@@ -322,7 +346,7 @@ async def score(ctx: ServingContext, request: p.ScoreRequest, http: Request) -> 
     results = await _unless_disconnected(http, served.engine.score(job.token_ids, job.k, job.return_token_logprobs))
     ctx.metrics.record_pooling(served.name, "score", label, time.monotonic() - start, job.prompt_tokens)
     ctx.metrics.record_experts(served.name, job.k, ExpertCounts.total(r.experts for r in results))
-    return await ctx.respond(responses.score_response, request.model or served.name, job, results)
+    return await ctx.respond(responses.score_response, served.reported(request.model), job, results)
 
 
 # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------

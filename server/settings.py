@@ -17,7 +17,7 @@ from moe_serve.validation import check_int, check_number
 
 ExpertMetrics = Literal["full", "summary", "off"]
 EXPERT_METRICS = ("full", "summary", "off")
-OPEN_PATHS = ("/health", "/ready")  # answered without an API key (load balancers, orchestrators)
+OPEN_PATHS = ("/health", "/ping", "/ready", "/version")  # answered without an API key (load balancers, probes)
 MONITORING_PATHS = ("/metrics", "/dashboard", "/dashboard/data", "/docs", "/openapi.json")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's names, outside /v1
 BATCH_API_PATHS = ("/v1/files", "/v1/batches")  # the Batch API: bookkeeping, no model work of its own
@@ -44,6 +44,13 @@ def default_data_dir() -> Path:
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     models: tuple[str, ...] = option((), "artifact directories or bundled names (none: every bundled demo)", cli=False)
+    served_model_name: tuple[str, ...] = option(
+        (),
+        "the names the model is served under, as vLLM's: a request may give any, responses, /v1/models and the "
+        "metrics report the first (default: the artifact's name; one model only)",
+        nargs="+",
+        metavar="NAME",
+    )
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
     api_key: str | None = option(None, "the API key (visible in `ps`: prefer --api-key-file or MOE_SERVE_API_KEY)")
@@ -90,6 +97,22 @@ class ServerSettings:
     engine: EngineConfig = option(factory=EngineConfig, cli=False)
     limits: RequestLimits = option(factory=RequestLimits, cli=False)
 
+    def _check_served_names(self) -> None:
+        names = self.served_model_name
+        if not names:
+            return
+        if len(self.models) != 1:
+            served = f"{len(self.models)} models are" if self.models else "no MODEL is given (every bundled demo is)"
+            raise ValidationError(
+                f"--served-model-name names one model, but {served} served: give one MODEL with it",
+                parameter="served_model_name",
+            )
+        for name in names:
+            if not name.strip() or name != name.strip():
+                raise ValidationError(f"--served-model-name {name!r} is not a name", parameter="served_model_name")
+        if len(set(names)) != len(names):
+            raise ValidationError(f"--served-model-name names {list(names)} repeat", parameter="served_model_name")
+
     @property
     def batch_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
@@ -105,6 +128,8 @@ class ServerSettings:
         if key_file:
             key = _read_key(key_file)
         object.__setattr__(self, "api_key", key)
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        self._check_served_names()
         check_int("port", self.port, 0, 65535)
         check_int("batch_max_in_flight", self.batch_max_in_flight, 1)
         check_int("batch_max_in_flight_tokens", self.batch_max_in_flight_tokens, 1)

@@ -34,5 +34,5 @@ async def models(request: Request) -> p.ModelList:
 @router.get("/models/{model}", response_model=p.ModelCard, responses=ERRORS)
 async def model(model: str, request: Request) -> p.ModelCard:
     ctx = request.app.state.ctx
-    name, k = split_k_suffix(model, ctx.models)
+    name, k = split_k_suffix(model, ctx.names)
     return ctx.model(name).card(k)

@@ -1,4 +1,4 @@
-"""/health and /ready (open even when an API key is set: probes) and /metrics."""
+"""/health, /ping, /version and /ready (open even when an API key is set: probes) and /metrics."""
 
 from __future__ import annotations
 
@@ -6,12 +6,26 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from moe_serve import __version__
+
 router = APIRouter()
 
 
 @router.get("/health")
 async def health() -> dict:
     return {"status": "ok"}
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping() -> Response:
+    """vLLM's (and SageMaker's) liveness probe: /health under its other name, with an empty body."""
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    """vLLM's: the server's version."""
+    return {"version": __version__}
 
 
 @router.get("/ready")
