@@ -173,7 +173,16 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ArtifactError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f'{config_path} is not a moe-serve artifact config ("format" must be "{FORMAT}")')
+        if isinstance(manifest, dict) and ("architectures" in manifest or "model_type" in manifest):
+            raise ArtifactError(
+                f"{path} is a Hugging Face checkpoint, not a moe-serve artifact: `moe-serve serve {path}` serves it "
+                f"(exported on first use), `moe-serve export hf {path} DST` exports it"
+            )
+        raise ArtifactError(
+            f'{config_path} is not a moe-serve artifact config ("format" must be "{FORMAT}") nor a Hugging Face '
+            "checkpoint's: export a trained checkpoint with `moe-serve export FORMAT SRC DST` (formats: "
+            "`moe-serve export --help`), or serve a Hugging Face directory with `moe-serve serve DIR`"
+        )
     checksums = manifest.get("checksums", {})
     if not (isinstance(checksums, dict) and all(isinstance(v, str) for v in checksums.values())):
         raise ArtifactError(f'{config_path}: "checksums" must be an object of file names to sha256 strings')

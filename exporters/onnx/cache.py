@@ -22,6 +22,7 @@ from moe_serve.engine.backend import backend_for, load_model
 from moe_serve.engine.runner import LoadedModel
 from moe_serve.errors import ArtifactError
 from moe_serve.exporters.base import ExportError
+from moe_serve.exporters.hf_cache import servable_artifact
 from moe_serve.onnx_model import FORMAT_VERSION, is_export
 from moe_serve.registry import resolve_model
 
@@ -36,7 +37,10 @@ def load_servable(model: str | Path, config: EngineConfig) -> LoadedModel:
 
 def servable(model: str | Path, config: EngineConfig) -> str:
     """What to load for the configured backend: the model as given, or, for a backend that opens ONNX
-    exports and a moe-serve artifact (a directory or a bundled name), its cached export (made now if missing)."""
+    exports and a moe-serve artifact (a directory or a bundled name), its cached export (made now if missing).
+    A Hugging Face checkpoint (a directory, or a model id in the local hub cache) is exported to an artifact
+    first, on first use (moe_serve.exporters.hf_cache)."""
+    model = servable_artifact(model)
     if not backend_for(config).opens_onnx_exports or is_export(Path(model)):
         return str(model)
     return str(cached_export(model))
