@@ -72,7 +72,7 @@ class EngineConfig:
         "request waits at most one short step",
     )
     long_prefill_alone_ms: float = option(
-        200.0,
+        80.0,
         "when long prompts are all the engine runs (bulk scoring), a step's chunk may cost this many ms (by the "
         "measured costs) instead of --long-prefill-chunk tokens: throughput as without the limits, and a request "
         "arriving meanwhile waits at most this long for the step in flight",

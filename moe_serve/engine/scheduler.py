@@ -58,7 +58,7 @@ class SchedulerConfig:
     max_long_prefills: int = 1  # long prompts in progress at once (more wait, skipped by shorter ones)
     # When long prompts are all a step runs, their chunks may cost this many seconds (bulk scoring keeps its
     # throughput; a request arriving meanwhile waits at most this long for the step in flight).
-    long_prefill_alone_seconds: float = 0.2
+    long_prefill_alone_seconds: float = 0.08
 
 
 class Scheduler:
