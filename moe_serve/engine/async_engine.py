@@ -320,15 +320,15 @@ class AsyncEngine:
             self._lock.notify()
         return submissions
 
-    def check_room(self, count: int, min_prompt_tokens: int, background: bool = False) -> None:
-        """Refuse work now (EngineOverloadedError, EngineStoppedError) that `submit`, `classify` or `score`
-        would refuse, before its inputs are tokenized: `count` sequences whose prompts together have at least
+    def check_room(self, count: int, min_prompt_tokens: int) -> None:
+        """Refuse interactive work now (EngineOverloadedError, EngineStoppedError) that `submit`, `classify` or
+        `score` would refuse, before its inputs are tokenized: `count` sequences whose prompts together have at least
         `min_prompt_tokens` tokens. Clients refused with 429 retry, and a server that tokenized 130,000
         tokens of text to refuse them each time spent the engine thread's time on it (the GIL). Work not
         certainly long is refused only when both classes are full; `_submit` checks again, exactly."""
         if count > self.max_waiting:
             return  # never admitted, but a 400 (_refuse_if_full), after preparation names what else is wrong
-        long = WorkGroup(min_prompt_tokens, background).is_long(self._threshold)
+        long = WorkGroup(min_prompt_tokens).is_long(self._threshold)
         with self._lock:
             self._refuse_if_full(count, [True] if long else [False, True])
 
