@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from moe_serve import __version__
-from moe_serve.artifact import CONFIG_FILE, FORMAT, FORMAT_VERSION
+from moe_serve.artifact import CONFIG_FILE, FORMAT, FORMAT_VERSION, sha256_file
 from moe_serve.exporters.base import ExportError, ExportOptions
 from moe_serve.exporters.hf import export_hf
 from moe_serve.registry import bundled_models, hub_snapshot
@@ -118,19 +118,13 @@ class _Digests:
         known = self._known.get(str(real))
         if isinstance(known, list) and len(known) == 4 and known[:3] == stamp and isinstance(known[3], str):
             return known[3]
-        digest = hashlib.sha256()
-        with (
-            open(real, "rb") as f,
-            tqdm(
-                total=stat.st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}", disable=not progress
-            ) as bar,
-        ):
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-                bar.update(len(chunk))
-        self._known[str(real)] = [*stamp, digest.hexdigest()]
+        with tqdm(
+            total=stat.st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}", disable=not progress
+        ) as bar:
+            digest = sha256_file(real, bar.update)
+        self._known[str(real)] = [*stamp, digest]
         self._changed = True
-        return digest.hexdigest()
+        return digest
 
     def save(self) -> None:
         """Written aside and renamed: a crash leaves the old file or the new one. A cache that cannot be written

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,14 @@ class Artifact:
         return self.weights.format.value if self.weights is not None else None
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, read: Callable[[int], object] | None = None) -> str:
+    """The file's sha256, read in chunks (`read`: told each chunk's size, for a progress bar)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
+            if read is not None:
+                read(len(chunk))
     return digest.hexdigest()
 
 

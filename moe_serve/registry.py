@@ -54,8 +54,9 @@ def hub_snapshot(model_id: str) -> Path | None:
     repo = hub_cache_dir() / ("models--" + "--".join(parts))
     snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"
-    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
-        return snapshots / ref.read_text().strip()
+    named = snapshots / ref.read_text().strip() if ref.is_file() else None
+    if named is not None and named.is_dir():
+        return named
     found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
     if len(found) > 1:
         raise ArtifactError(

@@ -97,6 +97,11 @@ class ServingContext:
     settings: ServerSettings
     metrics: Metrics
     executor: Executor  # tokenizing and template rendering: off the event loop
+    # Every name a request may give a model by, its name and its aliases (the models are fixed at start).
+    names: dict[str, ServedModel] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = {name: served for served in self.models.values() for name in served.names}
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
         """Run request preparation in the preparation threads, so the event loop never waits on it."""
@@ -111,11 +116,6 @@ class ServingContext:
             return JSONResponse(build(*args).model_dump(mode="json", by_alias=True))
 
         return await self.prepare(render)
-
-    @property
-    def names(self) -> dict[str, ServedModel]:
-        """Every name a request may give a model by: its name and its aliases."""
-        return {name: served for served in self.models.values() for name in served.names}
 
     def model(self, name: str | None) -> ServedModel:
         """The served model a request names (a `:k<k>` suffix allowed; `resolve` applies it)."""
