@@ -9,6 +9,7 @@ from typing import cast
 from moe_serve.errors import ValidationError
 from moe_serve.moe_policy import AUTO, MoEPolicy
 from moe_serve.options import option
+from moe_serve.structured_output import StructuredOutput
 from moe_serve.validation import check_int, check_number
 
 # The range of every field, checked here (the engine's own invariants: SamplingParams is safe to build
@@ -64,6 +65,9 @@ class SamplingParams:
     stop_token_ids: list[int] = option(help="token ids that end generation, like EOS", factory=list, cli=False)
     include_stop_str_in_output: bool = option(False, "keep the stop string that ended the text in the output")
     skip_special_tokens: bool = option(True, "leave special tokens out of the output text")
+    structured_output: StructuredOutput | None = option(
+        None, "the constraint the generated text must satisfy (a JSON schema, a regex, choices, a grammar)", cli=False
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +118,21 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(f"{name} must be true or false", parameter=name)
         self._verify_token_lists()
+        self._verify_structured_output()
+
+    def _verify_structured_output(self) -> None:
+        """The grammar decides where a structured output ends: settings that would overrule it are refused."""
+        output = self.structured_output
+        if output is None:
+            return
+        if not isinstance(output, StructuredOutput):
+            raise ValidationError("structured_output must be a StructuredOutput", parameter="structured_output")
+        for name, value, off in (("ignore_eos", self.ignore_eos, False), ("min_tokens", self.min_tokens, 0)):
+            if value != off:
+                raise ValidationError(
+                    f"{name} cannot be combined with {output.parameter}: the grammar decides where the output ends",
+                    parameter=name,
+                )
 
     def _verify_token_lists(self) -> None:
         """Types and sizes here; that the ids exist in the vocabulary is the engine's check (it knows it)."""

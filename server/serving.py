@@ -250,8 +250,8 @@ async def chat_completions(ctx: ServingContext, request: p.ChatCompletionRequest
     streams = served.engine.submit(job.requests)  # admitted (or refused: 429, 503) before a response starts
     ctx.metrics.count_tokens(served.name, k_label(job.reported_k, job.k), streams)  # as they are generated
     if request.stream:
-        tokenizer = served.artifact.tokenizer
-        choice = lambda _, u: responses.chat_chunk_choice(tokenizer, job, u)  # noqa: E731
+        chat_stream = responses.ChatChoiceStream(served.artifact.tokenizer, job)
+        choice = lambda _, u: chat_stream.choice(u)  # noqa: E731
         first = responses.chat_role_choices(job.params.n)
         options = request.stream_options
         return _event_stream(ctx, served, job, streams, "chat", options, http.state, choice, first, request.model)
@@ -272,12 +272,13 @@ def _event_stream(
     endpoint: str,
     options: p.StreamOptions | None,
     state: Any,
-    choice: Callable[[int, SequenceUpdate], p.CompletionChunkChoice | p.ChatChunkChoice],
+    choice: Callable[[int, SequenceUpdate], p.CompletionChunkChoice | p.ChatChunkChoice | None],
     first: list[p.ChatChunkChoice] | None = None,
     model: str | None = None,
 ) -> StreamingResponse:
     """SSE for a generation job: a chunk per completion update (choice(prompt index, update) builds its
-    choice), usage when asked, errors in-band once the response has started, then [DONE]."""
+    choice, or None when it holds it back), usage when asked, errors in-band once the response has started,
+    then [DONE]."""
     kind: Literal["text_completion", "chat.completion.chunk"] = (
         "text_completion" if endpoint == "completions" else "chat.completion.chunk"
     )
@@ -292,7 +293,9 @@ def _event_stream(
             async for prompt_index, update in _merged(streams):
                 for u in update.updates:
                     completion_tokens += len(u.token_ids)
-                    yield _sse(header.chunk([choice(prompt_index, u)]).wire())
+                    built = choice(prompt_index, u)
+                    if built is not None:  # None: held back (text that may be a tool call)
+                        yield _sse(header.chunk([built]).wire())
                 if update.finished:
                     prompt_tokens = len(job.requests[prompt_index].prompt_token_ids)
                     ctx.metrics.record_generation(served.name, endpoint, label, prompt_tokens, update.metrics)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from moe_serve.api import protocol as p
+from moe_serve.api.tools import ToolPlan
+from moe_serve.api.tools import plan as tool_plan
 from moe_serve.chat_template import TemplateEnvironment
 from moe_serve.config import RequestLimits
 from moe_serve.engine.async_engine import AsyncEngine, GenerationStream
@@ -32,6 +34,7 @@ class GenerationJob:
     logprobs: int | None  # alternatives per token to return (None: no logprobs)
     echo: bool = False  # completions: the prompt precedes each choice's text (and its logprobs, scored)
     generate: bool = True  # False for echo with max_tokens 0: the prompt is only scored
+    tools: ToolPlan | None = None  # chat with tools: how replies are constrained and read back
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,7 +114,18 @@ def prepare_completion(inputs: InputProcessor, request: p.CompletionRequest, lim
 def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limits: RequestLimits) -> GenerationJob:
     inputs.require_task("causal_lm", "/v1/chat/completions")
     params = request.to_sampling_params(limits.max_tokens_cap)  # refuses what is not implemented, before rendering
-    prompt = inputs.tokenizer.encode_rendered(render_chat(inputs, request.messages))
+    tools = tool_plan(request, inputs.config.chat_template or "")
+    calls = tools.structured_output() if tools is not None else None
+    if tools is not None and calls is not None:
+        if params.structured_output is not None:
+            raise ValidationError(
+                f"give either {params.structured_output.parameter} or tool_choice {tools.mode!r} (both constrain "
+                "the reply)",
+                parameter="tool_choice",
+            )
+        params = dataclasses.replace(params, structured_output=calls)
+    rendered = render_chat(inputs, request.messages, tools.template_tools if tools is not None else None)
+    prompt = inputs.tokenizer.encode_rendered(rendered)
     if request.stop is None and inputs.config.chat_stop:  # the model's default; a request's own stop replaces it
         params = dataclasses.replace(params, stop=list(inputs.config.chat_stop))
     if request.max_tokens is None:  # as OpenAI and vLLM: a reply may run to the end of the context (or the cap)
@@ -119,7 +133,8 @@ def prepare_chat(inputs: InputProcessor, request: p.ChatCompletionRequest, limit
             params, max_tokens=max(1, min(limits.max_tokens_cap, inputs.max_model_len - len(prompt)))
         )
     generation = inputs.generation_request(prompt, params)
-    return GenerationJob([generation], params, inputs.config.reported_k(generation.k), params.logprobs)
+    k = inputs.config.reported_k(generation.k)
+    return GenerationJob([generation], params, k, params.logprobs, tools=tools)
 
 
 def prepare_pooling(
@@ -173,8 +188,11 @@ def detokenize(inputs: InputProcessor, request: p.DetokenizeRequest) -> p.Detoke
     return p.DetokenizeResponse(prompt=inputs.tokenizer.decode(ids))
 
 
-def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
-    """The model's chat template (Jinja, sandboxed) applied to the messages, with a generation prompt. The
+def render_chat(
+    inputs: InputProcessor, messages: list[p.ChatMessage], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The model's chat template (Jinja, sandboxed) applied to the messages (and the request's tools, as
+    transformers' apply_chat_template passes them: None when there are none), with a generation prompt. The
     output, and every value the template builds without emitting it, is capped at what the model's context
     could ever hold, and the render's steps and time are bounded (moe_serve.chat_template): a template that
     multiplies its input or loops without end is stopped as it renders, and a template that fails is the
@@ -193,6 +211,7 @@ def render_chat(inputs: InputProcessor, messages: list[p.ChatMessage]) -> str:
         for part in environment.render_parts(
             config.chat_template,
             messages=[m.for_template() for m in messages],
+            tools=tools,
             add_generation_prompt=True,
             bos_token=special(config.bos_token_id),
             eos_token=special(config.eos_token_ids[0] if config.eos_token_ids else None),

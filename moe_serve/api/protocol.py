@@ -7,6 +7,7 @@ API defines are logged and ignored, as vLLM does (clients add their own bookkeep
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from pydantic import (
 )
 
 from moe_serve.errors import ValidationError
+from moe_serve.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -106,15 +108,15 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    # vLLM's choice of grammar backend and JSON whitespace: llguidance compiles every grammar here, and JSON is
+    # compact (moe_serve.engine.grammar).
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
     "logits_processors": (None,),
+    # Completions take no tools (chat does).
     "tools": (None, []),
     "tool_choice": (None, "none"),
+    # OpenAI's deprecated forms of tools and tool_choice.
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -185,6 +187,94 @@ class MoEPolicyRequest(BaseModel):
         return MoEPolicy(self.policy, self.p, self.min, self.max)
 
 
+# A function's or a json_schema's name, as OpenAI restricts it.
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema the reply must validate against (always enforced: strict
+    or not, the grammar allows only what the schema does)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormatText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+    def to_structured_output(self) -> list[StructuredOutput]:
+        return []
+
+
+class ResponseFormatJsonObject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+    def to_structured_output(self) -> list[StructuredOutput]:
+        return [StructuredOutput.json_object("response_format")]
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    def to_structured_output(self) -> list[StructuredOutput]:
+        return [StructuredOutput.json_schema(self.json_schema.schema_, "response_format")]
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark or GBNF) and
+    json_object. vLLM's other options (whitespace_pattern, structural_tag, backend choices) are refused by
+    name: this server's JSON is compact and llguidance compiles every grammar."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # refused below, by name
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _refuse_other_options(self) -> StructuredOutputsRequest:
+        if self.model_extra:
+            raise ValueError(
+                f"{', '.join(sorted(self.model_extra))}: not implemented by this server (it takes json, regex, "
+                "choice, grammar or json_object; its JSON is compact)"
+            )
+        return self
+
+    def to_structured_output(self) -> StructuredOutput:
+        given = []
+        if self.json_ is not None:
+            given.append(StructuredOutput.json_schema(self.json_, "structured_outputs.json"))
+        if self.regex is not None:
+            given.append(StructuredOutput.regex(self.regex, "structured_outputs.regex"))
+        if self.choice is not None:
+            given.append(StructuredOutput.choice(self.choice, "structured_outputs.choice"))
+        if self.grammar is not None:
+            given.append(StructuredOutput.grammar(self.grammar, "structured_outputs.grammar"))
+        if self.json_object:
+            given.append(StructuredOutput.json_object("structured_outputs.json_object"))
+        if len(given) != 1:
+            raise ValidationError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and json_object",
+                parameter="structured_outputs",
+            )
+        return given[0]
+
+
 class _SamplingFields(_Request):
     """Sampling fields; a field left out takes SamplingParams' default (the one place defaults live). The
     ranges are SamplingParams' own (moe_serve.sampling_params), declared here so the schema shows them."""
@@ -229,9 +319,36 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     ignore_eos: StrictBool | None = None
+    # Structured outputs: OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def refuse_unsupported(self) -> None:
         _refuse_not_implemented(self.model_extra or {})
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the request's fields ask for (None: free text); two of them are a 400."""
+        given: list[StructuredOutput] = []
+        if self.response_format is not None:
+            given += self.response_format.to_structured_output()
+        if self.structured_outputs is not None:
+            given.append(self.structured_outputs.to_structured_output())
+        if self.guided_json is not None:
+            given.append(StructuredOutput.json_schema(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            given.append(StructuredOutput.regex(self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            given.append(StructuredOutput.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(StructuredOutput.grammar(self.guided_grammar, "guided_grammar"))
+        if len(given) > 1:
+            names = " and ".join(o.parameter for o in given)
+            raise ValidationError(f"give one structured output, not several ({names})", parameter=given[1].parameter)
+        return given[0] if given else None
 
     def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters. `max_tokens: 0` (completions with echo: the prompt is only scored) is
@@ -247,7 +364,13 @@ class _SamplingFields(_Request):
         if self.stop is not None:
             given["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         moe = self.moe.to_policy() if self.moe is not None else None
-        return SamplingParams(**given, logprobs=logprobs, experts_per_token=self.experts_per_token, moe=moe)
+        return SamplingParams(
+            **given,
+            logprobs=logprobs,
+            experts_per_token=self.experts_per_token,
+            moe=moe,
+            structured_output=self.structured_output(),
+        )
 
 
 _SAMPLING_FIELDS = (
@@ -299,16 +422,84 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ToolCallFunction(BaseModel):
+    name: Text
+    arguments: Text  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None only for an assistant message of tool calls
     name: Text | None = None  # OpenAI's participant name; templates may use it (the bundled LMs' speaker)
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined by newlines, as vLLM does; `name`
-        only when given, so templates can test for it as they do under transformers."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name is not None else {})
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it (transformers' shape): text parts joined by newlines, as
+        vLLM does; tool calls with their arguments as objects (templates write them with `tojson`); `name`,
+        `tool_calls` and `tool_call_id` only when given, so templates can test for them."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "\n".join(p.text for p in content) if content is not None else ""
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    """A call's arguments as an object for the template (as vLLM passes them); text that is not JSON as is."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionSpec(BaseModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
+    strict: StrictBool | None = None  # arguments are always held to the schema where a grammar applies
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -317,6 +508,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def to_sampling_params(self, max_tokens_cap: int, logprobs: int | None = None) -> SamplingParams:
         if self.max_completion_tokens is not None:
@@ -432,6 +626,7 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -474,12 +669,19 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: str | None
 
 
+class ToolCallDelta(ToolCall):
+    """A tool call in a stream: each is sent whole, in one chunk (OpenAI's shape, with its index)."""
+
+    index: int
+
+
 class ChatDelta(BaseModel):
     """What a chunk adds to a choice's message: the role once (the stream's first chunk), then content. An
     absent part is left out of the chunk, as OpenAI's deltas do."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -179,18 +179,32 @@ def completion_response(
     return body
 
 
+def chat_message(job: GenerationJob, text: str, finish_reason: str | None) -> tuple[p.ChatMessageOut, str | None]:
+    """A reply's message and finish reason: with tools, the calls it makes (finish_reason "tool_calls");
+    a reply that ended otherwise than "stop" (max_tokens) or holds no call is its text."""
+    read = job.tools.read(text) if job.tools is not None and finish_reason == "stop" else None
+    if read is None:
+        return p.ChatMessageOut(content=text), finish_reason
+    content, calls = read
+    return p.ChatMessageOut(content=content, tool_calls=calls), "tool_calls"
+
+
 def chat_response(
     model: str, job: GenerationJob, result: RequestOutput, tokenizer: Tokenizer, response_id: str | None = None
 ) -> p.ChatCompletionResponse:
-    choices = [
-        p.ChatChoice(
-            index=out.index,
-            message=p.ChatMessageOut(content=out.text),
-            finish_reason=out.finish_reason,
-            logprobs=chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], out.top_logprobs or [], job.logprobs),
+    choices = []
+    for out in result.outputs:
+        message, finish_reason = chat_message(job, out.text, out.finish_reason)
+        choices.append(
+            p.ChatChoice(
+                index=out.index,
+                message=message,
+                finish_reason=finish_reason,
+                logprobs=chat_logprobs(
+                    tokenizer, out.token_ids, out.logprobs or [], out.top_logprobs or [], job.logprobs
+                ),
+            )
         )
-        for out in result.outputs
-    ]
     totals = usage(
         job.prompt_tokens,
         result.num_generated_tokens,
@@ -247,14 +261,62 @@ def completion_chunk_choice(
     )
 
 
-def chat_chunk_choice(tokenizer: Tokenizer, job: GenerationJob, update: SequenceUpdate) -> p.ChatChunkChoice:
-    logprobs = chat_logprobs(tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
-    return p.ChatChunkChoice(
-        index=update.index,
-        delta=p.ChatDelta(content=update.text_delta),
-        logprobs=logprobs,
-        finish_reason=update.finish_reason,
-    )
+class ChatChoiceStream:
+    """Each streamed chat choice of one request. With tools whose calls are read back, text that is (or may
+    become) a tool call is held, not sent: a constrained reply ("required", a named function) whole, an
+    "auto" reply from where the model's call marker starts (or may start). When the choice finishes, the
+    held text goes out as its tool calls, one chunk with each call whole, or as content if it holds none."""
+
+    def __init__(self, tokenizer: Tokenizer, job: GenerationJob) -> None:
+        self.tokenizer = tokenizer
+        self.job = job
+        self.text: dict[int, str] = {}  # per choice: everything generated so far
+        self.sent: dict[int, int] = {}  # ... and how much of it went out as content
+
+    def choice(self, update: SequenceUpdate) -> p.ChatChunkChoice | None:
+        """The chunk's choice for an update; None when it has nothing to send yet."""
+        job, index = self.job, update.index
+        logprobs = chat_logprobs(self.tokenizer, update.token_ids, update.logprobs, update.top_logprobs, job.logprobs)
+        if job.tools is None or not job.tools.reads_calls:
+            return p.ChatChunkChoice(
+                index=index, delta=p.ChatDelta(content=update.text_delta), logprobs=logprobs,
+                finish_reason=update.finish_reason,
+            )  # fmt: skip
+        text = self.text[index] = self.text.get(index, "") + update.text_delta
+        sent = self.sent.get(index, 0)
+        delta = p.ChatDelta()
+        finish_reason = update.finish_reason
+        if finish_reason is None:
+            upto = self._sendable(text)
+            if upto > sent:
+                delta.content, self.sent[index] = text[sent:upto], upto
+            elif logprobs is None:
+                return None
+        else:
+            message, finish_reason = chat_message(job, text, finish_reason)
+            if message.tool_calls:
+                delta.tool_calls = [
+                    p.ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(message.tool_calls)
+                ]
+            elif len(text) > sent:
+                delta.content = text[sent:]
+        return p.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+
+    def _sendable(self, text: str) -> int:
+        """How much of a running reply can go out as content: none of a constrained one; of an "auto" one,
+        what precedes its call marker or any text that may grow into one."""
+        tools = self.job.tools
+        assert tools is not None
+        if tools.format is None:
+            return 0
+        start = tools.format.start
+        found = text.find(start)
+        if found >= 0:
+            return found
+        for keep in range(min(len(start) - 1, len(text)), 0, -1):
+            if start.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
 
 
 def chat_role_choices(n: int) -> list[p.ChatChunkChoice]:

@@ -4,8 +4,9 @@ the way in and the engine trusts what it returns (re-checking only cheap invaria
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from moe_serve.engine.grammar import Grammar, Grammars
 from moe_serve.errors import ValidationError
 from moe_serve.model_config import ModelConfig
 from moe_serve.moe_policy import AUTO, KSpec, MoEPolicy
@@ -29,6 +30,10 @@ class InputProcessor:
     max_step_tokens: int  # tokens in one engine step: a classified input must fit whole
     backend: str = "torch"  # what runs the model (EngineConfig.backend): per-token policies are torch-only
     auto_k: bool = False  # the engine has a latency target (--target-itl-ms): experts_per_token "auto" is served
+    grammars: Grammars = field(init=False)  # structured outputs compiled against this tokenizer
+
+    def __post_init__(self) -> None:
+        self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
 
     def require_task(self, task: str, what: str) -> None:
         if self.config.task != task:
@@ -209,7 +214,11 @@ class InputProcessor:
         return k
 
     def generation_request(self, prompt_token_ids: list[int], params: SamplingParams) -> GenerationRequest:
-        return GenerationRequest(list(prompt_token_ids), params, self.check_generation(prompt_token_ids, params))
+        """A prompt to complete, checked; its structured output compiled here, in the caller's thread."""
+        k = self.check_generation(prompt_token_ids, params)
+        output = params.structured_output
+        grammar = self.grammars.compile(output) if output is not None else None
+        return GenerationRequest(list(prompt_token_ids), params, k, grammar)
 
     def check_classify_input(self, token_ids: list[int], index: int | None = None) -> list[int]:
         if len(token_ids) > self.max_step_tokens:
@@ -248,3 +257,4 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     k: KSpec  # experts per token, resolved against the model's range
+    grammar: Grammar | None = None  # params.structured_output, compiled: each sequence gets its own matcher

@@ -120,6 +120,7 @@ class LLMEngine:
             seq = self._new(request_id, index, request.prompt_token_ids, request.k, SequenceKind.GENERATE, params)
             seq.group = group
             seq.generator = generator
+            seq.matcher = request.grammar.matcher() if request.grammar is not None else None
             self._detokenizers[id(seq)] = IncrementalDetokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,
@@ -334,6 +335,9 @@ class LLMEngine:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop")
             return
+        if seq.matcher is not None and not seq.matcher.consume(token):  # the mask allowed it: a grammar fault
+            self._fail(seq, RuntimeError(f"the structured output's grammar failed: {seq.matcher.error}"))
+            return
         seq.token_ids.append(token)
         if params.logprobs is not None:
             logprob = sampled.logprobs[row]
@@ -343,7 +347,7 @@ class LLMEngine:
         detokenizer = self._detokenizers[id(seq)]
         stop = detokenizer.add(token)
         seq.text = detokenizer.text
-        if stop is not None:
+        if stop is not None or (seq.matcher is not None and seq.matcher.is_stopped):  # the grammar is complete
             self._finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")

@@ -6,7 +6,8 @@ are computed only for rows that asked for them, from the model's logits (before 
 vLLM reports them by default). A row whose settings cannot be sampled fails alone: the others are sampled
 as if it were not there.
 
-Order per row, as in vLLM: logit_bias, min_tokens (EOS and stop_token_ids masked), repetition penalty
+Order per row, as in vLLM: a structured output's grammar mask (tokens its grammar cannot take next are
+impossible), logit_bias, min_tokens (EOS and stop_token_ids masked), repetition penalty
 (prompt and output tokens), presence and frequency penalties (output tokens), then temperature, top-k,
 top-p and min-p for sampled rows.
 """
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_serve.engine.grammar import token_bitmask
 from moe_serve.engine.sequence import Sequence
+from moe_serve.kernels import ops
 
 
 @dataclass(slots=True)
@@ -37,11 +40,12 @@ def sample(logits: torch.Tensor | None, seqs: list[Sequence], eos_token_ids: Col
     if not seqs:
         return Sampled()
     assert logits is not None and logits.shape[0] == len(seqs), "one row of logits per sequence to sample"
+    masks = _grammar_masks(logits, seqs)
     try:
-        chosen = _choose(_adjusted(logits, seqs, eos_token_ids), seqs)
+        chosen = _choose(_adjusted(logits, seqs, eos_token_ids, masks), seqs)
         errors: dict[int, BaseException] = {}
     except Exception:  # one row's settings (an absurd top_k, say): sample row by row to find it
-        chosen, errors = _choose_rows_apart(logits, seqs, eos_token_ids)
+        chosen, errors = _choose_rows_apart(logits, seqs, eos_token_ids, masks)
     token_ids: list[int | None] = chosen.tolist()
     for row in errors:
         token_ids[row] = None
@@ -61,12 +65,43 @@ def sample(logits: torch.Tensor | None, seqs: list[Sequence], eos_token_ids: Col
     return out
 
 
-def _adjusted(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
-    """The logits with each row's bias, min_tokens and penalties applied (a copy, only if a row has any)."""
-    rows = [r for r, s in enumerate(seqs) if s.params.adjusts_logits]
+@dataclass(slots=True)
+class GrammarMasks:
+    """The grammar masks of a step's constrained rows (computed once a step, whatever happens to the others):
+    `rows` their indices among the step's rows, `bitmask` one row of llguidance's bitmask each."""
+
+    rows: list[int]
+    bitmask: torch.Tensor | None = None
+
+    def only(self, row: int) -> GrammarMasks:
+        """The mask of one row, as row 0 (for sampling it alone)."""
+        if row not in self.rows:
+            return GrammarMasks([])
+        assert self.bitmask is not None
+        return GrammarMasks([0], self.bitmask[self.rows.index(row)][None])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        if self.bitmask is not None:
+            ops.mask_logits(logits, torch.tensor(self.rows, device=logits.device), self.bitmask)
+
+
+def _grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> GrammarMasks:
+    rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
+        return GrammarMasks([])
+    return GrammarMasks(rows, token_bitmask([seqs[r].matcher for r in rows], logits.shape[-1]))  # type: ignore[misc]
+
+
+def _adjusted(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int], masks: GrammarMasks
+) -> torch.Tensor:
+    """The logits with the grammar masks, and each row's bias, min_tokens and penalties, applied (a copy, only
+    if a row has any)."""
+    rows = [r for r, s in enumerate(seqs) if s.params.adjusts_logits]
+    if not rows and not masks.rows:
         return logits
     logits = logits.clone()
+    masks.apply(logits)
     for row in rows:
         _adjust_row(logits[row], seqs[row], eos_token_ids)
     return logits
@@ -122,13 +157,14 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _choose_rows_apart(
-    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int], masks: GrammarMasks
 ) -> tuple[torch.Tensor, dict[int, BaseException]]:
     chosen = logits.argmax(dim=-1)
     errors: dict[int, BaseException] = {}
     for row, seq in enumerate(seqs):
         try:
-            chosen[row] = _choose(_adjusted(logits[row : row + 1], [seq], eos_token_ids), [seq])[0]
+            one = _adjusted(logits[row : row + 1], [seq], eos_token_ids, masks.only(row))
+            chosen[row] = _choose(one, [seq])[0]
         except Exception as exc:
             errors[row] = exc
     return chosen, errors

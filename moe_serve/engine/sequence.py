@@ -12,6 +12,7 @@ from enum import Enum
 
 import torch
 
+from moe_serve.engine.grammar import GrammarMatcher
 from moe_serve.moe_policy import KSpec
 from moe_serve.outputs import ExpertCounts
 from moe_serve.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     group: WorkGroup | None = None  # the work it counts with (None: its own prompt alone)
     generator: torch.Generator | None = None
+    matcher: GrammarMatcher | None = None  # a structured output's grammar: which tokens may come next
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission

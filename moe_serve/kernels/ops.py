@@ -1,10 +1,11 @@
-"""The kernels the model calls, and only their dispatch: linear, RMSNorm, routing (top-k with a weighting, the
-top-p cut), MoE experts, rotary with the cache write, attention (paged or packed) and latent attention. Each
-op picks one family: the C++ CPU kernels when they apply (CPU, float32 activations), the Triton kernels on
-CUDA (moe_serve.kernels.cuda: static shapes, no host sync, so a decode step can be a CUDA graph), the graph
-family under the ONNX export's tracer or for a padded batch (kernels.graph), and the plain-torch twins
-otherwise (kernels.reference, which the tests also compare every family with). What the ops take and return
-is the kernels' vocabulary (kernels.vocabulary); this is the one module that imports the backends.
+"""The kernels the model and its sampler call, and only their dispatch: linear, RMSNorm, grammar masks, routing
+(top-k with a weighting, the top-p cut), MoE experts, rotary with the cache write, attention (paged or packed)
+and latent attention. Each op picks one family: the C++ CPU kernels when they apply (CPU, float32
+activations), the Triton kernels on CUDA (moe_serve.kernels.cuda: static shapes, no host sync, so a decode
+step can be a CUDA graph), the graph family under the ONNX export's tracer or for a padded batch
+(kernels.graph), and the plain-torch twins otherwise (kernels.reference, which the tests also compare every
+family with). What the ops take and return is the kernels' vocabulary (kernels.vocabulary); this is the one
+module that imports the backends.
 
 Legend: T tokens, S sequences, H query heads, G key/value heads, Dh head dim, E experts, K slots, D hidden,
 R router rows, C latent width, NB blocks, BS block size.
@@ -88,6 +89,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if gpu is not None:
         return gpu.norm.rms_norm(x, weight, eps)
     return reference.rms_norm_torch(x, weight, eps)
+
+
+def mask_logits(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [R, V] in place: row rows[m] keeps only the tokens whose bit is set in bitmask[m] ([M, W] int32,
+    llguidance's layout: bit b of word w is token 32 w + b); the others become -inf (a structured output's
+    grammar mask, moe_serve.engine.grammar)."""
+    ext = _cpu_ext(logits)
+    if ext is not None and logits.is_contiguous():
+        ext.mask_logits(logits, rows, bitmask)
+        return
+    reference.mask_logits_torch(logits, rows, bitmask)
 
 
 # ---- routing ----------------------------------------------------------------------------------------

@@ -202,3 +202,11 @@ def _attention_with_sinks(
     sink = sinks.float()[:, None, None].expand(h, scores.shape[1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v).to(qs.dtype)
+
+
+def mask_logits_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [R, V] in place: row rows[m] keeps the tokens whose bit is set in bitmask[m] ([M, W] int32, bit
+    b of word w is token 32 w + b) and the others become -inf."""
+    allowed = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    allowed = allowed.view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -10,6 +10,7 @@
 //                         packed_attention
 //   latent_attention.cpp  latent_attention (DeepSeek's MLA, absorbed form, over its own paged cache)
 //   decode_stack.cpp      DecodeStack: every layer of a decode-only step in one call over the kernels above
+//   sampling.cpp          mask_logits (a structured output's grammar masks applied to their rows of the logits)
 //
 // and the headers they share: common.h (includes, the legend of the names the comments use), vec.h (16-lane
 // float vectors: AVX-512, or AVX2 + FMA + F16C on CPUs without it; built with -march=native), formats.h
@@ -24,6 +25,7 @@
 #include "latent_attention.h"
 #include "linear.h"
 #include "moe.h"
+#include "sampling.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace moe_serve;
@@ -48,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, int64_t>{{"softmax_chosen", SOFTMAX_CHOSEN}, {"softmax_all", SOFTMAX_ALL}, {"uniform", UNIFORM}};
   }, "topk_route's weighting codes by name");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("mask_logits", &mask_logits, "grammar bitmasks applied to their rows of the logits, in place");
   m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");
   m.def("packed_attention", &packed_attention, "attention over packed (varlen) keys, online softmax");

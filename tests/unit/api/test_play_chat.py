@@ -101,7 +101,7 @@ def test_names_rename_speakers_and_the_reply_opens_for_the_assistants_name(llm: 
 
 def test_a_role_without_a_part_is_the_requests_error(llm: LLM) -> None:
     with pytest.raises(ValidationError, match="no part for role tool") as caught:
-        render_chat(llm.engine.inputs, messages([{"role": "tool", "content": "42"}]))
+        render_chat(llm.engine.inputs, messages([{"role": "tool", "content": "42", "tool_call_id": "call_1"}]))
     assert caught.value.parameter == "messages"
 
 
