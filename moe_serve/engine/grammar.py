@@ -105,6 +105,12 @@ class Grammars:
             raise ValidationError(
                 f"{output.parameter} cannot be compiled: {matcher.get_error()}", parameter=output.parameter
             )
+        # The first mask, computed here: llguidance builds its lexer lazily, so the first one costs the most,
+        # and a grammar that fails only there (its lexer over the work limit) is still the request's 400.
+        probe = Grammar(matcher).matcher()
+        token_bitmask([probe], self.vocab_size)
+        if probe.matcher.is_error():
+            raise ValidationError(f"{output.parameter} cannot be compiled: {probe.error}", parameter=output.parameter)
         grammar = Grammar(matcher)
         with self._lock:
             self._cache[output.key] = grammar
@@ -178,12 +184,15 @@ def _closed_objects(schema: Any) -> Any:
 def token_bitmask(matchers: list[GrammarMatcher], width: int) -> torch.Tensor:
     """[R, ceil(width / 32)] int32: which tokens each row's grammar can take next (only EOS once it is
     complete), bit b of word w for token 32 w + b (llguidance's layout; kernels.ops.mask_logits applies it).
-    Row by row on this thread: llguidance's parallel executor keeps threads of its own that, on a machine
-    whose cores run the model's threads, cost the step more than they save (a batch of 64 steps took 5.6
-    against 3.8 ms with it, 0.1 ms of masks; benchmarks/structured_cost.py)."""
-    import llguidance.torch as llg_torch
 
+    Row by row on this thread, each row written by llguidance in place (what llguidance.torch's
+    fill_next_token_bitmask does; that module is not imported: it wraps a function in torch.compile, whose
+    import took 0.8 s of the first constrained step). llguidance's parallel executor is not used either: it
+    keeps threads of its own that, on a machine whose cores run the model's threads, cost the step more than
+    they save (a batch of 64 steps took 5.6 against 3.8 ms with it, 0.1 ms of masks;
+    benchmarks/structured_cost.py)."""
     bitmask = torch.empty((len(matchers), -(-width // 32)), dtype=torch.int32)
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
     for row, matcher in enumerate(matchers):
-        llg_torch.fill_next_token_bitmask(matcher.matcher, bitmask, row)
+        matcher.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
     return bitmask

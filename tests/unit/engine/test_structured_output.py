@@ -183,3 +183,48 @@ def test_objects_are_closed_to_undeclared_keys_unless_the_schema_opens_them(llm:
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in ("max_tokens", "temperature", "seed", "n")}
+
+
+def test_preemption_and_prefix_caching_keep_a_constrained_rows_result(tiny_llm, monkeypatch) -> None:
+    """Rows preempted (recomputed from their tokens, the matcher where it was) and rows whose prompt comes
+    from the prefix cache generate what they generate with room to spare."""
+    from moe_serve.engine.scheduler import Scheduler
+
+    roomy = tiny_llm(seed=31, engine=EngineConfig(max_num_seqs=8))
+    tight = tiny_llm(seed=31, engine=EngineConfig(max_num_seqs=8, block_size=16, kv_cache_tokens=192))
+    preempted = []
+    original = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq, out: (preempted.append(seq), original(self, seq, out)))
+    prompt = "To be, or not to be: that is the question"  # shared by every row: its blocks are cached
+    params = [
+        SamplingParams(
+            max_tokens=100, temperature=0.9, seed=s, structured_output=JSON if s % 2 else None, ignore_eos=not s % 2
+        )
+        for s in range(4)
+    ]
+    want = roomy.generate([prompt] * 4, params)
+    got = tight.generate([prompt] * 4, params)
+    assert preempted, "the tight cache preempted nothing: the test tests nothing"
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(seq.num_cached_tokens for seq in preempted)  # readmitted from the prefix cache
+    for o in got[1::2]:
+        assert o.outputs[0].finish_reason == "stop"
+        valid(o.outputs[0].text)
+
+
+def test_the_engine_thread_imports_nothing_heavy_for_a_mask(tiny_model) -> None:
+    """llguidance.torch wraps a function in torch.compile at import: its import took 0.8 s of the first
+    constrained step. The masks are written through the matcher directly; the module is never imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from moe_serve import LLM, SamplingParams; "
+        "from moe_serve.structured_output import StructuredOutput as S; "
+        f"llm = LLM({str(tiny_model())!r}); "
+        "out = llm.generate('Hi', SamplingParams(max_tokens=8, structured_output=S.choice(['ab'], 'c'))); "
+        "assert out[0].outputs[0].text == 'ab', out; "
+        "print(sorted(m for m in sys.modules if m.startswith('llguidance')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "llguidance" in loaded and "llguidance.torch" not in loaded
