@@ -308,6 +308,21 @@ def test_a_langchain_model_with_two_tools_gets_well_formed_calls(base_url: str) 
     for call in reply.tool_calls:
         assert call["name"] in ("get_weather", "count") and call["id"]
         (get_weather if call["name"] == "get_weather" else count).invoke(call["args"])  # the arguments validate
+    # An agent's loop, on the model whose template takes tool messages: call under "required", run the
+    # tools, hand their results back as ToolMessages, and read the reply under "none".
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    agent_model = ChatOpenAI(model="hermes-lm", base_url=base_url, api_key="unused", max_retries=0, max_tokens=600)
+    history: list = [HumanMessage("Who comes there?")]
+    step = agent_model.bind_tools([get_weather, count], tool_choice="required").invoke(history)
+    assert step.tool_calls and step.response_metadata["finish_reason"] == "tool_calls"
+    history.append(step)
+    for call in step.tool_calls:
+        result = (get_weather if call["name"] == "get_weather" else count).invoke(call["args"])
+        history.append(ToolMessage(str(result), tool_call_id=call["id"]))
+    answer = agent_model.bind_tools([get_weather, count], tool_choice="none").invoke(history)
+    assert isinstance(answer.content, str) and not answer.tool_calls
+    assert answer.usage_metadata["input_tokens"] > step.usage_metadata["input_tokens"]  # the results went in
 
 
 def test_batch_api_lines_carry_structured_outputs(base_url: str) -> None:

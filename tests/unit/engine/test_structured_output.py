@@ -53,6 +53,15 @@ def test_json_schema_holds_at_every_k_greedy_and_sampled(llm: LLM, k: int) -> No
             valid(completion.text)
 
 
+def test_json_schema_holds_under_a_moe_policy(llm: LLM) -> None:
+    from moe_serve.moe_policy import MoEPolicy
+
+    params = SamplingParams(max_tokens=120, temperature=0, moe=MoEPolicy("top_p", 0.5), structured_output=JSON)
+    out = llm.generate("Hello", params)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    valid(out.outputs[0].text)
+
+
 def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
     cases = [
         (StructuredOutput.json_object("response_format"), lambda t: isinstance(json.loads(t), dict)),
