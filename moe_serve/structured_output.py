@@ -40,6 +40,17 @@ class StructuredOutput:
         return self.kind, self.spec
 
     @classmethod
+    def of(cls, kind: StructuredKind, value: Any, parameter: str) -> StructuredOutput:
+        """The constraint a request field of this kind asks for (its value already of the field's type)."""
+        if kind == "json":
+            return cls.json_schema(value, parameter)
+        if kind == "json_object":
+            return cls.json_object(parameter)
+        if kind == "choice":
+            return cls.choice(value, parameter)
+        return cls.regex(value, parameter) if kind == "regex" else cls.grammar(value, parameter)
+
+    @classmethod
     def json_schema(cls, schema: Any, parameter: str) -> StructuredOutput:
         """A schema given as an object, or as JSON text of one (vLLM's guided_json takes both)."""
         if isinstance(schema, str):

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from moe_serve.errors import ValidationError
-from moe_serve.structured_output import StructuredOutput
+from moe_serve.structured_output import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -256,17 +256,13 @@ class StructuredOutputsRequest(BaseModel):
         return self
 
     def to_structured_output(self) -> StructuredOutput:
-        given = []
-        if self.json_ is not None:
-            given.append(StructuredOutput.json_schema(self.json_, "structured_outputs.json"))
-        if self.regex is not None:
-            given.append(StructuredOutput.regex(self.regex, "structured_outputs.regex"))
-        if self.choice is not None:
-            given.append(StructuredOutput.choice(self.choice, "structured_outputs.choice"))
-        if self.grammar is not None:
-            given.append(StructuredOutput.grammar(self.grammar, "structured_outputs.grammar"))
-        if self.json_object:
-            given.append(StructuredOutput.json_object("structured_outputs.json_object"))
+        fields: dict[StructuredKind, Any] = {"json": self.json_, "regex": self.regex, "choice": self.choice}
+        fields |= {"grammar": self.grammar, "json_object": self.json_object or None}
+        given = [
+            StructuredOutput.of(kind, value, f"structured_outputs.{kind}")
+            for kind, value in fields.items()
+            if value is not None
+        ]
         if len(given) != 1:
             raise ValidationError(
                 "structured_outputs takes exactly one of json, regex, choice, grammar and json_object",
@@ -337,14 +333,12 @@ class _SamplingFields(_Request):
             given += self.response_format.to_structured_output()
         if self.structured_outputs is not None:
             given.append(self.structured_outputs.to_structured_output())
-        if self.guided_json is not None:
-            given.append(StructuredOutput.json_schema(self.guided_json, "guided_json"))
-        if self.guided_regex is not None:
-            given.append(StructuredOutput.regex(self.guided_regex, "guided_regex"))
-        if self.guided_choice is not None:
-            given.append(StructuredOutput.choice(self.guided_choice, "guided_choice"))
-        if self.guided_grammar is not None:
-            given.append(StructuredOutput.grammar(self.guided_grammar, "guided_grammar"))
+        guided: dict[StructuredKind, Any] = {"json": self.guided_json, "regex": self.guided_regex}
+        guided["choice"] = self.guided_choice
+        guided["grammar"] = self.guided_grammar
+        given += [
+            StructuredOutput.of(kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None
+        ]
         if len(given) > 1:
             names = " and ".join(o.parameter for o in given)
             raise ValidationError(f"give one structured output, not several ({names})", parameter=given[1].parameter)
