@@ -92,25 +92,24 @@ class Grammars:
                 return cached
         import llguidance
 
+        def refused(reason: str) -> ValidationError:
+            return ValidationError(f"{output.parameter} cannot be compiled: {reason}", parameter=output.parameter)
+
         tokenizer = self._llg_tokenizer()
         try:
             source = _grammar_source(output)
         except ValueError as exc:
-            raise ValidationError(f"{output.parameter} cannot be compiled: {exc}", parameter=output.parameter) from None
-        error = llguidance.LLMatcher.validate_grammar(source, tokenizer)
-        if error:
-            raise ValidationError(f"{output.parameter} cannot be compiled: {error}", parameter=output.parameter)
-        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)  # builds the grammar, the GIL released
+            raise refused(str(exc)) from None
+        # Built with the GIL released; a grammar it cannot build leaves it in an error state (it never raises).
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
         if matcher.is_error():
-            raise ValidationError(
-                f"{output.parameter} cannot be compiled: {matcher.get_error()}", parameter=output.parameter
-            )
+            raise refused(matcher.get_error())
         # The first mask, computed here: llguidance builds its lexer lazily, so the first one costs the most,
         # and a grammar that fails only there (its lexer over the work limit) is still the request's 400.
         probe = Grammar(matcher).matcher()
         token_bitmask([probe], self.vocab_size)
         if probe.matcher.is_error():
-            raise ValidationError(f"{output.parameter} cannot be compiled: {probe.error}", parameter=output.parameter)
+            raise refused(probe.error)
         grammar = Grammar(matcher)
         with self._lock:
             self._cache[output.key] = grammar
