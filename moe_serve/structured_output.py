@@ -16,6 +16,7 @@ StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 # moe_serve.engine.grammar). A schema, regex or grammar of more than this many characters is refused.
 MAX_SPEC_CHARS = 1 << 16
 MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 128  # nested objects and lists: deeper, Python's own recursion gives out before the library's
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,10 @@ class StructuredOutput:
                 raise ValidationError(f"{parameter} is not valid JSON: {exc}", parameter=parameter) from None
         if not isinstance(schema, dict):
             raise ValidationError(f"{parameter} must be a JSON schema object", parameter=parameter)
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValidationError(
+                f"{parameter} nests objects and lists more than {MAX_SCHEMA_DEPTH} deep", parameter=parameter
+            )
         return cls("json", json.dumps(schema, separators=(",", ":")), parameter)
 
     @classmethod
@@ -85,3 +90,16 @@ class StructuredOutput:
         if not text.strip():
             raise ValidationError(f"{parameter} must not be empty", parameter=parameter)
         return cls("grammar", text, parameter)
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and lists nest in a JSON value (iteratively: the value may be deeper than recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

@@ -163,6 +163,11 @@ def test_bad_specs_and_settings_that_overrule_the_grammar_are_refused() -> None:
     with pytest.raises(ValidationError, match="at most") as caught:
         StructuredOutput.regex("a" * (MAX_SPEC_CHARS + 1), "guided_regex")
     assert caught.value.parameter == "guided_regex"
+    deep: dict = {"type": "integer"}
+    for _ in range(2000):  # deeper than Python's recursion: refused before anything recurses over it
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValidationError, match="more than 128 deep"):
+        StructuredOutput.json_schema(deep, "response_format")
     with pytest.raises(ValidationError, match="not valid JSON"):
         StructuredOutput.json_schema("{nope", "guided_json")
     with pytest.raises(ValidationError, match="non-empty strings"):
