@@ -29,12 +29,13 @@ MAX_CALLS = 16  # calls in one "required" reply: a model that repeats itself sti
 
 @dataclass(frozen=True, slots=True)
 class ToolCallFormat:
-    """A model family's way of writing tool calls in text: each call a JSON object {"name", "arguments"}
-    between `start` and `end`. A chat template that writes `start` declares the format."""
+    """A model family's way of writing tool calls in text, each call a JSON object {"name", "arguments"}:
+    between `start` and `end` one at a time (`end` given), or all in one JSON array after `start` (`end`
+    None). A chat template that writes `start` declares the format."""
 
     name: str
     start: str
-    end: str
+    end: str | None = None
 
     def calls(self, text: str) -> tuple[str | None, list[tuple[str, Any]]] | None:
         """(content before the first call or None, [(name, arguments)]); None when the text holds no
@@ -42,12 +43,18 @@ class ToolCallFormat:
         begin = text.find(self.start)
         if begin < 0:
             return None
+        try:
+            if self.end is None:
+                bodies = json.loads(text[begin + len(self.start) :])
+                if not isinstance(bodies, list):
+                    return None
+            else:
+                pattern = re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|$)"
+                bodies = [json.loads(body) for body in re.findall(pattern, text[begin:], re.S)]
+        except ValueError:
+            return None
         found = []
-        for body in re.findall(re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|$)", text[begin:], re.S):
-            try:
-                call = json.loads(body)
-            except ValueError:
-                return None
+        for call in bodies:
             if not (
                 isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
             ):
@@ -57,8 +64,12 @@ class ToolCallFormat:
         return (content or None), found
 
 
-# Hermes' format: Qwen 2 and 3, Qwen-MoE, Hermes and many fine-tunes (vLLM's `hermes` parser).
-FORMATS = (ToolCallFormat("hermes", "<tool_call>", "</tool_call>"),)
+FORMATS = (
+    # Hermes': Qwen 2 and 3, Qwen-MoE, Hermes and many fine-tunes (vLLM's `hermes` parser).
+    ToolCallFormat("hermes", "<tool_call>", "</tool_call>"),
+    # Mistral's (v3 and later tokenizers: Mixtral 8x22B Instruct v0.1, Mistral Small; vLLM's `mistral` parser).
+    ToolCallFormat("mistral", "[TOOL_CALLS]"),
+)
 
 
 @dataclass(frozen=True, slots=True)

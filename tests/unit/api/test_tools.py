@@ -36,6 +36,21 @@ def test_auto_reads_hermes_calls_and_the_text_before_them() -> None:
     assert len(set(ids)) == 2 and all(i.startswith("call_") and len(i) == 29 for i in ids)
 
 
+def test_auto_reads_mistrals_array_of_calls() -> None:
+    mistral = next(f for f in FORMATS if f.name == "mistral")
+    auto = ToolPlan("auto", TOOLS, format=mistral)
+    read = auto.read('[TOOL_CALLS][{"name": "count", "arguments": {"n": 1}}, {"name": "get_weather", "arguments": {}}]')
+    assert read is not None and read[0] is None
+    assert calls(read) == [("count", {"n": 1}), ("get_weather", {})]
+    assert auto.read('[TOOL_CALLS][{"name": "count", "arguments": {"n": 1}') is None  # cut short
+    assert auto.read('[TOOL_CALLS]{"name": "count", "arguments": {}}') is None  # not an array
+    template = "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+    request = p.ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], tools=[t.model_dump() for t in TOOLS]
+    )
+    assert plan(request, template).format is mistral
+
+
 @pytest.mark.parametrize(
     "text",
     [
