@@ -2,7 +2,10 @@
 (benchmarks/models.py: hidden 1,024, 16 experts of 1,024, k = 2, vocabulary 32,000):
 
 - linear at M = 1, 16, 64 rows on the LM head [32000, 1024] and on a [1024, 1024] projection;
-- moe_experts at batch 1, k = 2 (gated experts: w1, w3 [16, 1024, 1024], w2 [16, 1024, 1024]).
+- moe_experts at batch 1, k = 2 (gated experts: w1, w3 [16, 1024, 1024], w2 [16, 1024, 1024]);
+
+each with fp32 activations and, for int8 and int4 (rows int8/a8, int4/a8), with int8 activations
+(--cpu-activations int8: kernels/csrc/int_dot.h).
 
 Each call reads its weights from memory, as in a decode step, whose weights are far larger than the caches:
 the calls cycle through enough copies of a weight (or, for the bank, through copies and expert pairs) that
@@ -22,6 +25,7 @@ its second thread's scheduler slice and the 2-thread times stall in steps of sev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import time
@@ -34,17 +38,25 @@ from torch.nn import functional as F
 
 from benchmarks.bandwidth import CopyMeter
 from moe_serve.kernels import ops
-from moe_serve.kernels.packed import PackedWeight, WeightFormat, quantize
+from moe_serve.kernels.packed import WeightFormat, quantize
 from moe_serve.kernels.vocabulary import ExpertWeights, Weight, float_weight
 
-FORMATS = (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+# (label, format, int8 activations)
+FORMATS = (
+    ("fp32", WeightFormat.FP32, False),
+    ("bf16", WeightFormat.BF16, False),
+    ("int8", WeightFormat.INT8, False),
+    ("int4", WeightFormat.INT4, False),
+    ("int8/a8", WeightFormat.INT8, True),
+    ("int4/a8", WeightFormat.INT4, True),
+)
 HIDDEN, INTERMEDIATE, EXPERTS, VOCAB, TOP_K = 1024, 1024, 16, 32000, 2
 EVICT_BYTES = 256 * 2**20  # what the copies of a weight add up to at least: several times the last-level cache
 LINEAR_SHAPES = {"lm_head": (VOCAB, HIDDEN), "proj": (HIDDEN, HIDDEN)}
 
 
-def packed(weight: torch.Tensor, fmt: WeightFormat) -> Weight:
-    return weight.clone() if fmt is WeightFormat.FP32 else quantize(weight, fmt)
+def packed(weight: torch.Tensor, fmt: WeightFormat, int8: bool = False) -> Weight:
+    return weight.clone() if fmt is WeightFormat.FP32 else quantize(weight, fmt).with_int8_activations(int8)
 
 
 def copy_of(weight: Weight) -> Weight:
@@ -52,7 +64,7 @@ def copy_of(weight: Weight) -> Weight:
     if isinstance(weight, torch.Tensor):
         return weight.clone()
     scales = weight.scales.clone() if weight.scales is not None else None
-    return PackedWeight(weight.format, weight.data.clone(), scales, weight.shape)
+    return dataclasses.replace(weight, data=weight.data.clone(), scales=scales)
 
 
 def median_seconds(calls: Callable[[int], object], reps: int) -> float:
@@ -76,27 +88,27 @@ def rotating_linear(x: torch.Tensor, weights: Sequence[Weight], i: int) -> torch
     return ops.linear(x, weights[i % len(weights)])
 
 
-def linear_rows(fmt: WeightFormat, name: str, rows: tuple[int, ...], reps: int) -> list[dict]:
+def linear_rows(label: str, fmt: WeightFormat, int8: bool, name: str, rows: tuple[int, ...], reps: int) -> list[dict]:
     n, k = LINEAR_SHAPES[name]
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=generator) * 0.02
-    first = packed(weight, fmt)
+    first = packed(weight, fmt, int8)
     nbytes = first.nbytes
     weights = [first] + [copy_of(first) for _ in range(copies_for(nbytes) - 1)]
     results = []
     for m in rows:
         x = torch.randn(m, k, generator=generator)
         seconds = median_seconds(partial(rotating_linear, x, weights), reps)
-        results.append({"op": f"linear {name} M={m}", "format": fmt.value, "seconds": seconds, "bytes": nbytes})
+        results.append({"op": f"linear {name} M={m}", "format": label, "seconds": seconds, "bytes": nbytes})
     return results
 
 
-def moe_row(fmt: WeightFormat, reps: int) -> dict:
+def moe_row(label: str, fmt: WeightFormat, int8: bool, reps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
 
     w1, w3 = (torch.randn(EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) * 0.02 for _ in range(2))
     w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.02
-    parts = [packed(w, fmt) for w in (w1, w2, w3)]
+    parts = [packed(w, fmt, int8) for w in (w1, w2, w3)]
     whole = sum(w.nbytes for w in parts)
     banks = [
         ExpertWeights(copy_of(parts[0]), copy_of(parts[1]), "silu", w3=copy_of(parts[2]))
@@ -112,7 +124,7 @@ def moe_row(fmt: WeightFormat, reps: int) -> dict:
         return ops.moe_experts(x, ids, weights, b)
 
     per_call = whole * TOP_K // EXPERTS  # the two experts' three matrices
-    return {"op": "moe_experts T=1 k=2", "format": fmt.value, "seconds": median_seconds(call, reps), "bytes": per_call}
+    return {"op": "moe_experts T=1 k=2", "format": label, "seconds": median_seconds(call, reps), "bytes": per_call}
 
 
 def mkl_linear(x: torch.Tensor, weight: Weight, _: int) -> torch.Tensor:
@@ -156,19 +168,19 @@ def main() -> None:
     before = meter.measure()
     print(f"load average {load_average()}; copy bandwidth {before['copy_gb_s']:.1f} GB/s ({args.threads} threads)")
     rows = []
-    for fmt in FORMATS:
+    for label, fmt, int8 in FORMATS:
         for name in LINEAR_SHAPES:
-            rows += linear_rows(fmt, name, (1, 16, 64), args.reps)
-        rows.append(moe_row(fmt, args.reps))
+            rows += linear_rows(label, fmt, int8, name, (1, 16, 64), args.reps)
+        rows.append(moe_row(label, fmt, int8, args.reps))
     after = meter.measure()
     copy = (before["copy_gb_s"] + after["copy_gb_s"]) / 2
     fp32 = {r["op"]: r["seconds"] for r in rows if r["format"] == "fp32"}
-    print(f"{'op':<24} {'format':>6} {'ms':>8} {'weight GB/s':>12} {'of copy':>8} {'vs fp32':>8}")
+    print(f"{'op':<24} {'format':>7} {'ms':>8} {'weight GB/s':>12} {'of copy':>8} {'vs fp32':>8}")
     for op in dict.fromkeys(r["op"] for r in rows):
         for r in (r for r in rows if r["op"] == op):
             rate = r["bytes"] / r["seconds"] / 1e9
             print(
-                f"{op:<24} {r['format']:>6} {r['seconds'] * 1e3:>8.3f} {rate:>12.1f} {rate / copy:>7.0%} "
+                f"{op:<24} {r['format']:>7} {r['seconds'] * 1e3:>8.3f} {rate:>12.1f} {rate / copy:>7.0%} "
                 f"{fp32[op] / r['seconds']:>7.2f}x"
             )
     print(f"copy bandwidth before {before['copy_gb_s']:.1f}, after {after['copy_gb_s']:.1f} GB/s")

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.kernels import hugepages
-from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, packed_shapes, quantize
+from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, int8_activations, packed_shapes, quantize
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.output_dir import check_destination, written_aside
@@ -223,12 +223,14 @@ def load_artifact(
     dtype: torch.dtype = torch.float32,
     verify_checksums: bool = True,
     pack_as: WeightFormat | None = None,
+    cpu_activations: str = "fp32",
 ) -> Artifact:
     """Load and validate an artifact: everything serving will use is checked here (config, checksums,
     tokenizer, chat template, quality table, every tensor's name, shape, dtype and values), so that an
     artifact either fails to load with one ArtifactError naming the problem or serves.
     pack_as: pack the float weights in this format as they load (what `moe-serve quantize` would store;
-    `moe-serve eval --weights` compares formats this way without writing artifacts)."""
+    `moe-serve eval --weights` compares formats this way without writing artifacts).
+    cpu_activations: packed.CPU_ACTIVATIONS, what the CPU kernels may round the packed weights' inputs to."""
     path = Path(path)
     manifest, config = read_manifest(path)
     for name in (WEIGHTS_FILE, TOKENIZER_FILE):
@@ -253,6 +255,9 @@ def load_artifact(
     if packing is not None:
         spec = WeightsSpec(packing, tuple(packable_weights(config, packing)))
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
+    if spec is not None and int8_activations(cpu_activations, spec.format):
+        packed = {name: weight.with_int8_activations() for name, weight in packed.items()}
+        logger.info("%s weights read int8 activations (--cpu-activations %s)", spec.format.value, cpu_activations)
 
     with torch.device("meta"):
         model = MoETransformer(config)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_serve.errors import ValidationError
-from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
+from moe_serve.kernels.packed import CPU_ACTIVATIONS, PACKED_FORMAT_NAMES
 from moe_serve.options import option
 from moe_serve.validation import check_int, check_number
 
@@ -32,6 +32,13 @@ class EngineConfig:
         "pack the artifact's float weights as they load: bf16, int8 or int4 (fp16 scale per group of 32), read by the "
         "CPU kernels with float32 activations; an artifact written by `moe-serve quantize` carries its format already",
         choices=PACKED_FORMAT_NAMES,
+    )
+    cpu_activations: str = option(
+        "fp32",
+        "the lowest precision the CPU kernels may round activations to: fp32 (exact); int8: int8 and int4 weights "
+        "read int8 activations (blocks of 32, an fp32 scale each, integer dot products; other formats fp32); auto: "
+        "as int8 (no bf16-activation kernels yet)",
+        choices=CPU_ACTIVATIONS,
     )
     cuda_graphs: bool = option(
         True,
@@ -133,6 +140,12 @@ class EngineConfig:
         if self.weights is not None and self.weights not in PACKED_FORMAT_NAMES:
             raise ValidationError(
                 f"weights must be one of {', '.join(PACKED_FORMAT_NAMES)}; got {self.weights!r}", parameter="weights"
+            )
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            hint = " (bf16 activations have no kernels yet: fp32 or auto)" if self.cpu_activations == "bf16" else ""
+            raise ValidationError(
+                f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}; got {self.cpu_activations!r}{hint}",
+                parameter="cpu_activations",
             )
         if self.weights is not None and self.backend != "torch":
             raise ValidationError(

@@ -61,6 +61,7 @@ def _load_torch(model: str | Path, config: EngineConfig) -> Artifact:
         dtype=config.torch_dtype(),
         verify_checksums=config.verify_checksums,
         pack_as=WeightFormat(config.weights) if config.weights else None,
+        cpu_activations=config.cpu_activations,
     )
 
 

@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     ext = _cpu_ext(x)
     if ext is not None and x.dim() == 2:
         if isinstance(weight, PackedWeight):
-            return ext.linear_packed(x, weight.data, weight.scales, weight.format.value, bias)
+            return ext.linear_packed(x, weight.data, weight.scales, kernel_format(weight), bias)
         if weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and x.shape[0] <= LINEAR_MAX_ROWS):
             return ext.linear(x, weight, bias)
     return F.linear(x, float_weight(weight, x.dtype), bias)

@@ -17,6 +17,7 @@ the definition; the kernels are tested against `dequantize`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -42,6 +43,18 @@ class WeightFormat(enum.StrEnum):
 
 
 PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+# --cpu-activations: the lowest precision the CPU kernels may round a weight's input to (ONNX Runtime's
+# accuracy_level). fp32: the exact mode. int8 and auto: int8 and int4 weights read int8 activations
+# (kernels/csrc/int_dot.h), the other formats fp32 (no bf16-activation kernels yet, so auto gives bf16 weights
+# fp32 activations).
+CPU_ACTIVATIONS = ("fp32", "int8", "auto")
+
+
+def int8_activations(mode: str, fmt: WeightFormat) -> bool:
+    """Whether a weight of `fmt` reads int8 activations under --cpu-activations `mode`."""
+    return mode in ("int8", "auto") and fmt.grouped
+
+
 PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
 
 
@@ -60,9 +73,27 @@ class PackedWeight:
     """A weight [.., N, K] in a packed format: the kernels' operand in place of a float tensor."""
 
     format: WeightFormat
-    data: torch.Tensor  # bf16 [.., N, K] | int8 [.., N, K] | uint8 [.., N, K / 2]
+    data: torch.Tensor  # bf16 [.., N, K] | int8 [.., N, K] | uint8 [.., N, K / 2] (tiled: see `tile`)
     scales: torch.Tensor | None  # fp16 [.., N, K / GROUP_SIZE] for int8 and int4; None for bf16
     shape: tuple[int, ...]  # the logical shape [.., N, K]
+    # The CPU kernels quantize this weight's input to int8 blocks before the products (int8 and int4 weights,
+    # --cpu-activations int8: kernels/csrc/int_dot.h); False: fp32 activations, the exact mode.
+    int8_activations: bool = False
+    tiled: bool = False  # data and scales in the integer kernels' tiles of 8 rows (`tile`)
+
+    def __post_init__(self) -> None:
+        if self.int8_activations and not self.format.grouped:
+            raise PackError(f"only int8 and int4 weights take int8 activations, not {self.format.value}")
+        if self.tiled and not self.int8_activations:
+            raise PackError("tiles of 8 rows are the int8-activation kernels' layout")
+
+    def with_int8_activations(self, enabled: bool = True) -> PackedWeight:
+        """This weight, read by the integer kernels (int8 activations) where `enabled` and its format has them:
+        tiled (`tile`: a copy, after which this one can be freed) where its rows are a multiple of 8."""
+        if not (enabled and self.format.grouped):
+            return dataclasses.replace(untile(self), int8_activations=False)
+        weight = dataclasses.replace(self, int8_activations=True)
+        return tile(weight) if self.shape[-2] % TILE_ROWS == 0 else weight
 
     @property
     def device(self) -> torch.device:
@@ -76,28 +107,44 @@ class PackedWeight:
         return dequantize(self, dtype)
 
     def rows(self, start: int, stop: int) -> PackedWeight:
-        """Rows [start, stop) of the last-but-one dimension (output features): a view, no copy."""
+        """Rows [start, stop) of the last-but-one dimension (output features): a view, no copy (tiled: a copy
+        of them untiled, unless both ends are multiples of 8)."""
+        shape = (*self.shape[:-2], stop - start, self.shape[-1])
+        if self.tiled:
+            if start % TILE_ROWS or stop % TILE_ROWS:
+                return untile(self).rows(start, stop)
+            assert self.scales is not None
+            tiles = slice(start // TILE_ROWS, stop // TILE_ROWS)
+            return dataclasses.replace(
+                self, data=self.data[..., tiles, :, :], scales=self.scales[..., tiles, :, :], shape=shape
+            )
         scales = self.scales[..., start:stop, :] if self.scales is not None else None
-        return PackedWeight(
-            self.format, self.data[..., start:stop, :], scales, (*self.shape[:-2], stop - start, self.shape[-1])
-        )
+        return dataclasses.replace(self, data=self.data[..., start:stop, :], scales=scales, shape=shape)
 
     @staticmethod
     def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         """The parts stacked along output features (a fused projection): one contiguous copy."""
         first = parts[0]
         if any(
-            p.format is not first.format or p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1]
+            p.format is not first.format
+            or p.shape[:-2] != first.shape[:-2]
+            or p.shape[-1] != first.shape[-1]
+            or p.int8_activations != first.int8_activations
             for p in parts
         ):
-            raise PackError("fused projections must share their format and input features")
-        data = torch.cat([p.data for p in parts], dim=-2)
-        scales = torch.cat([p.scales for p in parts], dim=-2) if first.scales is not None else None  # type: ignore[misc]
+            raise PackError("fused projections must share their format, activation precision and input features")
+        if not all(p.tiled for p in parts):  # (tiled parts stay tiled, stacked by tiles of 8 rows)
+            parts = [untile(p) for p in parts]
+        dim = -3 if parts[0].tiled else -2
+        data = torch.cat([p.data for p in parts], dim=dim)
+        scales = torch.cat([p.scales for p in parts], dim=dim) if first.scales is not None else None  # type: ignore[misc]
         rows = sum(p.shape[-2] for p in parts)
-        return PackedWeight(first.format, data, scales, (*first.shape[:-2], rows, first.shape[-1]))
+        return dataclasses.replace(parts[0], data=data, scales=scales, shape=(*first.shape[:-2], rows, first.shape[-1]))
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors an artifact stores for weight `name` (see docs/artifact-format.md)."""
+        if self.tiled:
+            return untile(self).stored(name)
         if self.format is WeightFormat.BF16:
             return {name: self.data}
         assert self.scales is not None
@@ -158,18 +205,62 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> P
 
 def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight a packed one stands for: the reference every kernel is tested against."""
+    packed = untile(packed)
     if packed.format is WeightFormat.BF16:
         return packed.data.to(dtype)
     assert packed.scales is not None
     shape = packed.shape
-    groups = shape[-1] // GROUP_SIZE
-    if packed.format is WeightFormat.INT8:
-        values = packed.data.reshape(*shape[:-1], groups, GROUP_SIZE).float()
-    else:
-        nibbles = packed.data.reshape(*shape[:-1], groups, GROUP_SIZE // 2)
-        low, high = (nibbles & 0xF).float(), (nibbles >> 4).float()
-        values = torch.cat([low, high], dim=-1) - 8.0  # [.., G, 32]
+    values = integer_values(packed).reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE).float()
     return (values * packed.scales.float()[..., None]).reshape(shape).to(dtype)
+
+
+def integer_values(packed: PackedWeight) -> torch.Tensor:
+    """An int8 or int4 weight's integer values [.., N, K] (int8; int4: its nibble less 8), before their scales."""
+    packed = untile(packed)
+    shape = packed.shape
+    if packed.format is WeightFormat.INT8:
+        return packed.data
+    assert packed.format is WeightFormat.INT4
+    nibbles = packed.data.reshape(*shape[:-1], shape[-1] // GROUP_SIZE, GROUP_SIZE // 2)
+    low, high = (nibbles & 0xF).to(torch.int8), (nibbles >> 4).to(torch.int8)
+    return (torch.cat([low, high], dim=-1) - 8).reshape(shape)
+
+
+# ---- tiles of 8 rows: the int8-activation kernels' layout (kernels/csrc/int_dot.h) -----------------------
+
+TILE_ROWS = 8
+STEP_BYTES = 4  # bytes of one row a step holds: one 32-bit lane
+
+
+def tile(packed: PackedWeight) -> PackedWeight:
+    """An int8 or int4 weight [.., N, K] (N a multiple of 8) in tiles of 8 rows: data [.., N / 8, K / 32, T]
+    holding, per tile and group of 32 values, the 8 rows' bytes of the group interleaved by 4 (step s: bytes
+    4s..4s+3 of row 0, then of row 1, .., row 7; T = 256 for int8, 128 for int4), and scales [.., N / 8, K / 32,
+    8]. The kernels' result is the same bits as on the rows as stored; this only orders the bytes for them."""
+    if packed.tiled:
+        return packed
+    assert packed.scales is not None and packed.shape[-2] % TILE_ROWS == 0
+    *lead, n, k = packed.shape
+    group_bytes = packed.data.shape[-1] * GROUP_SIZE // k  # 32 (int8) or 16 (int4)
+    steps = group_bytes // STEP_BYTES
+    data = packed.data.reshape(*lead, n // TILE_ROWS, TILE_ROWS, k // GROUP_SIZE, steps, STEP_BYTES)
+    data = data.movedim(-4, -2).reshape(*lead, n // TILE_ROWS, k // GROUP_SIZE, TILE_ROWS * group_bytes)
+    scales = packed.scales.reshape(*lead, n // TILE_ROWS, TILE_ROWS, k // GROUP_SIZE).movedim(-2, -1)
+    return dataclasses.replace(packed, data=data.contiguous(), scales=scales.contiguous(), tiled=True)
+
+
+def untile(packed: PackedWeight) -> PackedWeight:
+    """A weight's rows as stored (`tile` undone; an untiled weight as it is)."""
+    if not packed.tiled:
+        return packed
+    assert packed.scales is not None
+    *lead, n, k = packed.shape
+    tiles, groups, tile_bytes = packed.data.shape[-3:]
+    steps = tile_bytes // TILE_ROWS // STEP_BYTES
+    data = packed.data.reshape(*lead, tiles, groups, steps, TILE_ROWS, STEP_BYTES).movedim(-2, -4)
+    data = data.reshape(*lead, n, tile_bytes // TILE_ROWS * groups)
+    scales = packed.scales.movedim(-1, -2).reshape(*lead, n, groups)
+    return dataclasses.replace(packed, data=data.contiguous(), scales=scales.contiguous(), tiled=False)
 
 
 def from_stored(fmt: WeightFormat, tensors: dict[str, torch.Tensor], shape: tuple[int, ...]) -> PackedWeight:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from moe_serve.kernels.packed import GROUP_SIZE, PackedWeight, integer_values, untile
 from moe_serve.kernels.rotary import apply_rotary
 from moe_serve.kernels.vocabulary import (
     ACTIVATIONS,
@@ -210,3 +211,37 @@ def mask_logits_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
     allowed = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
     allowed = allowed.view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
     logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+# ---- int8 activations (kernels/csrc/int_dot.h) ------------------------------------------------------
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q int8 [M, K], d fp32 [M, K / 32], s int32 [M, K / 32]): per row and block of 32
+    values, d = max|x| / 127, q = round_half_even(x * (1 / d)) (d = 0 and q = 0 where max|x| < 2^-120, whose
+    1 / d would overflow), s the block's sum of q. The
+    definition the C++ quantizer is tested against, bit for bit (finite x)."""
+    M, K = x.shape
+    blocks = x.float().reshape(M, K // GROUP_SIZE, GROUP_SIZE)
+    amax = blocks.abs().amax(-1)
+    d = torch.where(amax >= 2.0**-120, amax / 127.0, torch.zeros_like(amax))
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(M, K), d, q.sum(-1, dtype=torch.int32)
+
+
+def int8_linear_torch(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) with int8 activations, as the integer kernels compute it: x
+    quantized (quantize_activations_torch), each block's integer dot product exact (float64 holds it), and per
+    output the fp32 sum over blocks in order of (d_w * d_x) * sum, each operation rounded."""
+    weight = untile(weight)
+    assert weight.format.grouped and weight.scales is not None
+    q, d, _ = quantize_activations_torch(x)
+    values = integer_values(weight)  # [N, K]
+    w_scales = weight.scales.float()  # [N, B]
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for b in range(w_scales.shape[1]):
+        cols = slice(b * GROUP_SIZE, (b + 1) * GROUP_SIZE)
+        sums = (q[:, cols].double() @ values[:, cols].double().T).float()  # exact: |sum| < 2^24
+        acc = acc + (w_scales[None, :, b] * d[:, b, None]) * sums
+    return acc + bias.float() if bias is not None else acc

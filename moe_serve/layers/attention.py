@@ -11,6 +11,8 @@ distance between query and key positions (a table of every distance, computed on
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -182,5 +184,5 @@ def _fuse(tensors: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWe
     if all(isinstance(t, PackedWeight) for t in tensors):  # packed weights (moe_serve.weights), fused as such
         fused = PackedWeight.cat_rows(tensors)  # type: ignore[arg-type]
         scales = hugepages.place(fused.scales) if fused.scales is not None else None
-        return PackedWeight(fused.format, hugepages.place(fused.data), scales, fused.shape)
+        return dataclasses.replace(fused, data=hugepages.place(fused.data), scales=scales)
     return hugepages.place(torch.cat([t.detach() for t in tensors]))  # type: ignore[union-attr]

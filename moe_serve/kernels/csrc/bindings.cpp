@@ -4,6 +4,8 @@
 //
 //   linear.cpp            linear, linear_packed (y = x W^T + b over fp32, bf16, int8 or int4 weights, W
 //                         streamed from memory once) and head_linear (latent attention's per-head maps)
+//   int_dot.cpp           quantize_activations (int8 activation rows in blocks of 32) and the integer-block
+//                         dot products of such rows with int8 and int4 weights (--cpu-activations int8)
 //   moe.cpp               moe_experts, moe_experts_packed (grouped experts, a slot-ordered combine) and
 //                         topk_route (top-k experts per row and their combine weights)
 //   attention.cpp         rms_norm, rotary_write (rotary and the paged KV cache's writes), paged_attention,
@@ -22,6 +24,7 @@
 
 #include "attention.h"
 #include "decode_stack.h"
+#include "int_dot.h"
 #include "latent_attention.h"
 #include "linear.h"
 #include "moe.h"
@@ -38,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers);
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
+  m.def("quantize_activations", &quantize_activations, "activation rows -> int8 blocks of 32: (q, scales, sums)");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
   m.def("moe_experts_packed", &moe_experts_packed, "moe_experts over packed banks (up: w1, w3; down: w2)");
   m.def("weight_formats", [] {

@@ -16,7 +16,7 @@ namespace {
 Operand stack_operand(const std::string& what, const at::Tensor& data, const c10::optional<at::Tensor>& scales,
                       const std::string& format, int64_t dims) {
   c10::optional<at::Tensor> s = scales.has_value() && scales->defined() ? c10::optional<at::Tensor>(scales->contiguous()) : c10::nullopt;
-  return check_operand(what, data.contiguous(), s, parse_format(format), dims);
+  return check_operand(what, data.contiguous(), s, parse_kernel_format(format), dims);
 }
 
 at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {

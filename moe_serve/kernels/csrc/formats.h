@@ -40,6 +40,30 @@ inline Format parse_format(const std::string& name) {
   TORCH_CHECK(false, "unknown weight format '", name, "': fp32, bf16, int8 or int4");
 }
 
+// A kernel format, as Python passes it (moe_serve.kernels.vocabulary.kernel_format): a weight format, and
+// "/int8" where the kernels quantize the weight's input activations to int8 (int8 and int4 weights,
+// int_dot.h: --cpu-activations int8), "/int8-tiled" where its data is also in int_dot.h's tiles of 8 rows.
+struct KernelFormat {
+  Format format;
+  bool int8_activations = false;
+  bool tiled = false;
+};
+
+inline KernelFormat parse_kernel_format(const std::string& name) {
+  size_t slash = name.find('/');
+  Format format = parse_format(name.substr(0, slash));
+  if (slash == std::string::npos) return {format, false, false};
+  std::string activations = name.substr(slash + 1);
+  TORCH_CHECK((activations == "int8" || activations == "int8-tiled") && (format == Format::INT8 || format == Format::INT4),
+              "kernel format '", name, "': only int8 and int4 weights take int8 activations (int8/int8, int4/int8, "
+              "int8/int8-tiled, int4/int8-tiled)");
+  return {format, true, activations == "int8-tiled"};
+}
+
+// Tiles of 8 rows (int_dot.h): the bytes of one group of 32 values of each of the 8 rows, interleaved by 4.
+inline constexpr int64_t TILE_ROWS = 8;
+inline int64_t tile_bytes(Format f) { return TILE_ROWS * (f == Format::INT4 ? GROUP / 2 : GROUP); }
+
 inline vf vset1_fp16(uint16_t h) { return vset1(_cvtsh_ss(h)); }  // F16C
 
 // float or bf16 [N, K], rows `ld` apart: converting is stateless (bf16 is a shift), so register blocks of
@@ -92,6 +116,9 @@ struct Operand {
   Format format;
   at::Tensor data, scales;  // scales: the grouped formats only
   int64_t K;                   // input features (int4 data holds K / 2 bytes a row)
+  int64_t N;                   // output features (rows of each matrix)
+  bool int8_activations = false;  // the input is quantized to int8 (int_dot.h) before the products
+  bool tiled = false;          // data [.., N / 8, K / 32, tile_bytes], scales [.., N / 8, K / 32, 8] (int_dot.h)
 };
 
 // `dims`: 2 for a matrix [N, K], 3 for an expert bank [E, N, K]; `what` names the operand in messages.
@@ -115,7 +142,27 @@ inline Operand check_operand(const std::string& what, const at::Tensor& data,
   } else {
     TORCH_CHECK(!has_scales, what, ": ", f.name, " weights have no scales");
   }
-  return {format, data, has_scales ? *scales : at::Tensor(), K};
+  return {format, data, has_scales ? *scales : at::Tensor(), K, data.size(-2)};
+}
+
+inline Operand check_operand(const std::string& what, const at::Tensor& data, const c10::optional<at::Tensor>& scales,
+                             KernelFormat format, int64_t dims) {
+  if (!format.tiled) {
+    Operand w = check_operand(what, data, scales, format.format, dims);
+    w.int8_activations = format.int8_activations;
+    return w;
+  }
+  const FormatInfo& f = info(format.format);
+  const int64_t bytes = tile_bytes(format.format);
+  TORCH_CHECK(data.dim() == dims + 1 && data.size(-1) == bytes && data.scalar_type() == f.data && data.is_contiguous(), what,
+              ": tiled ", f.name, " data must be contiguous ", f.data, " [.., N / 8, K / 32, ", bytes, "], got ",
+              data.scalar_type(), " ", data.sizes());
+  std::vector<int64_t> expected(data.sizes().begin(), data.sizes().end());
+  expected.back() = TILE_ROWS;
+  TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kHalf &&
+                  scales->sizes() == at::IntArrayRef(expected) && scales->is_contiguous(),
+              what, ": tiled scales must be contiguous float16 ", at::IntArrayRef(expected));
+  return {format.format, data, *scales, data.size(-2) * GROUP, data.size(-3) * TILE_ROWS, true, true};
 }
 
 inline const uint16_t* scales_of(const Operand& w) { return reinterpret_cast<const uint16_t*>(w.scales.data_ptr<at::Half>()); }

@@ -4,6 +4,8 @@
 
 #include "linear.h"
 
+#include "int_dot.h"
+
 namespace moe_serve {
 
 template void dot_rows(const float*, int64_t, int64_t, const Dense<float>&, int64_t, int64_t, int64_t, float*, int64_t);
@@ -44,7 +46,8 @@ void linear_impl(const float* x_in, int64_t M, int64_t K, const W& w, const floa
 }  // namespace
 
 at::Tensor linear_operand(const at::Tensor& x, const Operand& w, const c10::optional<at::Tensor>& bias) {
-  int64_t N = w.data.size(0), K = w.K;
+  if (w.int8_activations) return int8_linear_operand(x, w, bias);
+  int64_t N = w.N, K = w.K;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [M, ", K, "] for a weight [", N, ", ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: x must be float32, got ", x.scalar_type());
   auto xc = x.contiguous();
@@ -63,11 +66,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return linear_operand(x, check_operand("linear: weight", weight.contiguous(), c10::nullopt, format, 2), bias);
 }
 
-// A PackedWeight's data [N, K] | [N, K / 2], scales [N, K / 32] (int8, int4) and format name.
+// A PackedWeight's data [N, K] | [N, K / 2], scales [N, K / 32] (int8, int4) and kernel format name.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scales,
                          const std::string& format, const c10::optional<at::Tensor>& bias) {
   c10::optional<at::Tensor> sc = scales.has_value() && scales->defined() ? c10::optional<at::Tensor>(scales->contiguous()) : c10::nullopt;
-  return linear_operand(x, check_operand("linear_packed: weight", data.contiguous(), sc, parse_format(format), 2), bias);
+  return linear_operand(x, check_operand("linear_packed: weight", data.contiguous(), sc, parse_kernel_format(format), 2), bias);
 }
 
 // Per-head linear maps, y[t, h] = w[h] x[t, h] (x [T, H, K], w [H, N, K] float32 or bfloat16 -> [T, H, N]):

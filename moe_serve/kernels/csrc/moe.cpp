@@ -7,6 +7,7 @@
 
 #include <numeric>
 
+#include "int_dot.h"
 #include "linear.h"
 
 namespace moe_serve {
@@ -73,17 +74,27 @@ struct Work {
 
 // out[s, r] for the slots s of each work item's expert: dot(in[s], w[e, r]) (+ b[e, r]); gated (w3): the
 // first matrix activated times the second; activate: act(first + b). w and w3 are banks [E * rows, cols].
+// qin: the same rows quantized to int8 (int_dot.h), whose integer products then replace the float ones.
 template <typename W>
 void expert_matmul(const std::vector<Work>& work, const std::vector<int64_t>& offsets, const float* in, int64_t ldin,
-                   const W& w, const float* b, const W* w3, const float* b3, int64_t rows, int64_t cols, const Act& act,
-                   bool activate_out, float* out, int64_t ldout, float* scratch) {
+                   const QRows* qin, const W& w, const float* b, const W* w3, const float* b3, int64_t rows,
+                   int64_t cols, const Act& act, bool activate_out, float* out, int64_t ldout, float* scratch) {
+  auto dot = [&](const W& bank, int64_t s0, int64_t n, const Work& job, float* to) {
+    if constexpr (has_int_kernel<W>) {
+      if (qin != nullptr) {
+        int_dot_rows(qin->at(s0), n, bank.at(job.expert * rows), job.r0, job.r1, to + s0 * ldout, ldout);
+        return;
+      }
+    }
+    if constexpr (!is_tiles<W>)  // tiles are read with int8 activations only
+      dot_rows(in + s0 * ldin, ldin, n, bank.at(job.expert * rows), cols, job.r0, job.r1, to + s0 * ldout, ldout);
+  };
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Work& job = work[i];
       int64_t s0 = offsets[job.expert], n = offsets[job.expert + 1] - s0;
-      dot_rows(in + s0 * ldin, ldin, n, w.at(job.expert * rows), cols, job.r0, job.r1, out + s0 * ldout, ldout);
-      if (w3 != nullptr)
-        dot_rows(in + s0 * ldin, ldin, n, w3->at(job.expert * rows), cols, job.r0, job.r1, scratch + s0 * ldout, ldout);
+      dot(w, s0, n, job, out);
+      if (w3 != nullptr) dot(*w3, s0, n, job, scratch);
       const float* be = b != nullptr ? b + job.expert * rows + job.r0 : nullptr;
       const float* b3e = b3 != nullptr ? b3 + job.expert * rows + job.r0 : nullptr;
       for (int64_t s = s0; s < s0 + n; ++s)
@@ -101,7 +112,8 @@ std::vector<Work> plan(const std::vector<int64_t>& offsets, int64_t rows, int64_
   for (int64_t e = 0; e < E; ++e) active += offsets[e + 1] > offsets[e];
   int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t pieces = small_work(slots * rows * inner) ? 1 : (threads * 4 + active - 1) / std::max<int64_t>(active, 1);
-  int64_t chunk = std::max<int64_t>(4, ((rows + pieces - 1) / pieces + 3) / 4 * 4);
+  // A multiple of 8 rows: the tiles of int8 activations (int_dot.h) hold 8 rows each.
+  int64_t chunk = std::max<int64_t>(8, ((rows + pieces - 1) / pieces + 7) / 8 * 8);
   std::vector<Work> work;
   for (int64_t e = 0; e < E; ++e)
     if (offsets[e + 1] > offsets[e])
@@ -127,12 +139,13 @@ at::Tensor moe_experts_operands(const at::Tensor& x, const at::Tensor& topk_ids,
   auto xc = x.contiguous();
   auto ids = topk_ids.contiguous();
   auto weights = topk_weights.contiguous();
-  int64_t T = xc.size(0), D = xc.size(1), max_k = ids.size(1), E = w1.data.size(0), I = w1.data.size(1);
+  int64_t T = xc.size(0), D = xc.size(1), max_k = ids.size(1), E = w1.data.size(0), I = w1.N;
   TORCH_CHECK(w1.K == D, "moe_experts: w1 must be [E, I, D] with D = ", D, " (x's), got K = ", w1.K);
-  TORCH_CHECK(w2.data.size(0) == E && w2.data.size(1) == D && w2.K == I, "moe_experts: w2 must be [E, D, I] = [", E, ", ",
+  TORCH_CHECK(w2.data.size(0) == E && w2.N == D && w2.K == I, "moe_experts: w2 must be [E, D, I] = [", E, ", ",
               D, ", ", I, "], got ", w2.data.sizes(), " holding K = ", w2.K);
-  TORCH_CHECK(!w3.has_value() || (w3->format == w1.format && w3->data.sizes() == w1.data.sizes()),
-              "moe_experts: w3 must match w1's format and shape");
+  TORCH_CHECK(!w3.has_value() || (w3->format == w1.format && w3->tiled == w1.tiled &&
+                                   w3->int8_activations == w1.int8_activations && w3->data.sizes() == w1.data.sizes()),
+              "moe_experts: w3 must match w1's format, layout and shape");
   const int64_t* idp = ids.data_ptr<int64_t>();
 
   // Slots grouped by expert, in (token, slot) order inside each group: a counting sort.
@@ -164,15 +177,28 @@ at::Tensor moe_experts_operands(const at::Tensor& x, const at::Tensor& topk_ids,
   at::Tensor b3f = check_bias("moe_experts: b3", b3, {E, I});
   at::Tensor b2f = check_bias("moe_experts: b2", b2, {E, D});
   std::vector<Work> up_work = plan(offsets, I, D), down_work = plan(offsets, D, I);
-  with_view(w1, [&](const auto& up) {
+  // int8 activations: the slots' rows quantized once for the up projection (and the gate), the activated
+  // rows once for the down projection.
+  c10::optional<QBuffer> xq, hq;
+  if (w1.int8_activations) {
+    xq.emplace(S, D);
+    quantize_rows(xsp, ldd, S, D, *xq);
+  }
+  with_any_view(w1, [&](const auto& up) {
     using W = std::decay_t<decltype(up)>;
     W gate = w3.has_value() ? view<W>(*w3) : W{};
-    expert_matmul(up_work, offsets, xsp, ldd, up, ptr_or_null(b1f), w3.has_value() ? &gate : nullptr, ptr_or_null(b3f), I,
-                  D, act, true, hp, ldi, upp);
+    QRows rows = xq.has_value() ? xq->rows() : QRows{};
+    expert_matmul(up_work, offsets, xsp, ldd, xq.has_value() ? &rows : nullptr, up, ptr_or_null(b1f),
+                  w3.has_value() ? &gate : nullptr, ptr_or_null(b3f), I, D, act, true, hp, ldi, upp);
   });
-  with_view(w2, [&](const auto& down) {
-    expert_matmul(down_work, offsets, hp, ldi, down, ptr_or_null(b2f), decltype(&down)(nullptr), nullptr, D, I, act, false,
-                  ysp, D, nullptr);
+  if (w2.int8_activations) {
+    hq.emplace(S, I);
+    quantize_rows(hp, ldi, S, I, *hq);
+  }
+  with_any_view(w2, [&](const auto& down) {
+    QRows rows = hq.has_value() ? hq->rows() : QRows{};
+    expert_matmul(down_work, offsets, hp, ldi, hq.has_value() ? &rows : nullptr, down, ptr_or_null(b2f),
+                  decltype(&down)(nullptr), nullptr, D, I, act, false, ysp, D, nullptr);
   });
 
   // Combine each token's slots in slot order with their weights: no atomics, batch-independent.
@@ -218,11 +244,11 @@ at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& topk_ids, c
                               const std::string& format_down, const at::Tensor& w2,
                               const c10::optional<at::Tensor>& s2, const c10::optional<at::Tensor>& b2, int64_t act,
                               double alpha, double limit) {
-  Format up = parse_format(format_up);
+  KernelFormat up = parse_kernel_format(format_up);
   c10::optional<Operand> gate;
   if (w3.has_value() && w3->defined()) gate = check_operand("moe_experts_packed: w3", *w3, s3, up, 3);
   return moe_experts_operands(x, topk_ids, topk_weights, check_operand("moe_experts_packed: w1", w1, s1, up, 3), b1, gate,
-                              b3, check_operand("moe_experts_packed: w2", w2, s2, parse_format(format_down), 3), b2,
+                              b3, check_operand("moe_experts_packed: w2", w2, s2, parse_kernel_format(format_down), 3), b2,
                               Act{act, (float)alpha, (float)limit});
 }
 

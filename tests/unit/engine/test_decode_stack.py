@@ -58,8 +58,10 @@ CONFIGS = {
 }
 
 
-def _run(path: Path, stack: bool, weights: str | None, policy: bool = False) -> tuple[list, dict, list]:
-    llm = LLM(path, EngineConfig(cpu_decode_stack=stack, weights=weights))
+def _run(
+    path: Path, stack: bool, weights: str | None, policy: bool = False, activations: str = "fp32"
+) -> tuple[list, dict, list]:
+    llm = LLM(path, EngineConfig(cpu_decode_stack=stack, weights=weights, cpu_activations=activations))
     runner = llm.engine.runner
     assert (runner.decode_stack is not None) == stack
     used: list[int] = []
@@ -81,19 +83,21 @@ def _run(path: Path, stack: bool, weights: str | None, policy: bool = False) -> 
     return tokens, runner.read_expert_load(), used
 
 
-# Every format on one config, every config in fp32 and int4.
-CASES = [("mixtral", w) for w in (None, "bf16", "int8", "int4")] + [
-    (name, w) for name in CONFIGS if name != "mixtral" for w in (None, "int4")
-]
+# Every format on one config (int8 and int4 with int8 activations too), every config in fp32 and int4.
+CASES = (
+    [("mixtral", w, "fp32") for w in (None, "bf16", "int8", "int4")]
+    + [("mixtral", w, "int8") for w in ("int8", "int4")]
+    + [(name, w, "fp32") for name in CONFIGS if name != "mixtral" for w in (None, "int4")]
+)
 
 
-@pytest.mark.parametrize("name, weights", CASES)
+@pytest.mark.parametrize("name, weights, activations", CASES)
 def test_the_stack_equals_the_python_layers_bitwise_in_mixed_k_batches(
-    tmp_path: Path, name: str, weights: str | None
+    tmp_path: Path, name: str, weights: str | None, activations: str
 ) -> None:
     path = create_random_artifact(tmp_path / name, CONFIGS[name], seed=5)
-    python, python_load, _ = _run(path, False, weights)
-    stack, stack_load, used = _run(path, True, weights)
+    python, python_load, _ = _run(path, False, weights, activations=activations)
+    stack, stack_load, used = _run(path, True, weights, activations=activations)
     assert used and max(used) == len(PROMPTS)
     assert stack == python
     assert stack_load == python_load and sum(python_load[0]) > 0
