@@ -267,15 +267,20 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
-    """--compare-weights' formats, refused before anything runs where they cannot."""
-    from moe_serve.kernels.packed import PACKED_FORMAT_NAMES
+    """--compare-weights' entries (FORMAT, or FORMAT:ACTIVATIONS), refused before anything runs where they cannot;
+    as packed.weights_label names them."""
+    from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, parse_weights_label, weights_label
 
-    formats = [f.strip() for f in value.split(",") if f.strip()] if value else []
-    for fmt in formats:
-        if fmt not in PACKED_FORMAT_NAMES:
+    formats = []
+    for entry in (f.strip() for f in value.split(",") if f.strip()) if value else ():
+        parsed = parse_weights_label(entry)
+        if parsed is None:
             raise ValidationError(
-                f"--compare-weights takes {', '.join(PACKED_FORMAT_NAMES)}; got {fmt!r}", parameter="compare_weights"
+                f"--compare-weights takes {', '.join(PACKED_FORMAT_NAMES)}, each optionally with :fp32 or (int8 and "
+                f"int4) :int8 activations; got {entry!r}",
+                parameter="compare_weights",
             )
+        formats.append(weights_label(*parsed))
     if formats and config.weights is not None:
         raise ValidationError(
             "--compare-weights compares packed formats with the float weights; drop --weights", parameter="weights"
@@ -290,11 +295,13 @@ def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
 
 
 def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[str], ks: list[int], args) -> list:
-    """The model with its float weights packed in each format (loaded that way: EngineConfig.weights): its
-    rows at each k, and the KL divergence of its next-token distributions from the floats'."""
+    """The model with its float weights packed in each format (loaded that way: EngineConfig.weights and
+    cpu_activations): its rows at each k, the KL divergence of its next-token distributions from the floats',
+    and for int8 activations from its format's with fp32 activations."""
     from moe_serve.evaluation.runner import evaluate as run_eval
     from moe_serve.evaluation.runner import weight_divergence
     from moe_serve.exporters.onnx.cache import load_servable
+    from moe_serve.kernels.packed import parse_weights_label
     from moe_serve.llm import LLM
 
     if llm.artifact.weight_format is not None:
@@ -304,11 +311,24 @@ def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[s
         )
     packed = {}
     rows = []
-    for fmt in formats:
-        packed_config = dataclasses.replace(config, weights=fmt)
-        packed[fmt] = LLM(load_servable(model, packed_config), packed_config)
-        rows += run_eval(packed[fmt], ks, args.dataset, args.max_items, progress=not args.json)
-    return rows + weight_divergence(llm, packed, ks, args.dataset, args.max_items)
+
+    def load(label: str) -> Any:
+        fmt, activations = parse_weights_label(label)  # type: ignore[misc]
+        packed_config = dataclasses.replace(config, weights=fmt, cpu_activations=activations)
+        return LLM(load_servable(model, packed_config), packed_config)
+
+    for label in formats:
+        packed[label] = load(label)
+        rows += run_eval(packed[label], ks, args.dataset, args.max_items, progress=not args.json)
+    rows += weight_divergence(llm, packed, ks, args.dataset, args.max_items)
+    for label in formats:  # int8 activations against their format's fp32 ones
+        fmt, activations = parse_weights_label(label)  # type: ignore[misc]
+        if activations != "fp32":
+            exact = packed[fmt] if fmt in packed else load(fmt)
+            rows += weight_divergence(
+                exact, {label: packed[label]}, ks, args.dataset, args.max_items, metric="kl_from_fp32_activations"
+            )
+    return rows
 
 
 def export(args: argparse.Namespace) -> int:

@@ -73,7 +73,7 @@ def evaluate(
             row_k = fixed_k if policy is None else ExpertCounts.total(r.experts for r in results).mean
             assert row_k is not None, "a policy runs on an MoE model, which counts every scored token's experts"
             label = policy.name if policy is not None else None
-            weights = llm.artifact.weight_format
+            weights = llm.artifact.weights_label
             rows += [
                 QualityRow(dataset, row_k, metric, value, name, label, weights) for metric, value in metrics.items()
             ]
@@ -81,10 +81,16 @@ def evaluate(
 
 
 def weight_divergence(
-    reference: LLM, packed: dict[str, LLM], ks: list[int], dataset: str = "shakespeare", max_items: int | None = None
+    reference: LLM,
+    packed: dict[str, LLM],
+    ks: list[int],
+    dataset: str = "shakespeare",
+    max_items: int | None = None,
+    metric: str = "kl_from_float",
 ) -> list[QualityRow]:
     """For a language model: each packed model's mean KL divergence (nats per token) of its next-token
-    distributions from the reference's (the float weights) on the dataset's texts, at each k."""
+    distributions from the reference's (the float weights, or for `kl_from_fp32_activations` its format's with
+    fp32 activations) on the dataset's texts, at each k."""
     from moe_serve.evaluation.divergence import kl_from_reference
 
     if reference.config.task != "causal_lm":
@@ -95,10 +101,7 @@ def weight_divergence(
     rows = []
     for k in ks:
         kl = kl_from_reference(model, {fmt: _torch_model(llm) for fmt, llm in packed.items()}, token_ids, k)
-        rows += [
-            QualityRow(dataset, k, "kl_from_float", value, reference.artifact.name, None, fmt)
-            for fmt, value in kl.items()
-        ]
+        rows += [QualityRow(dataset, k, metric, value, reference.artifact.name, None, fmt) for fmt, value in kl.items()]
     return rows
 
 

@@ -23,7 +23,15 @@ from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.kernels import hugepages
-from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, int8_activations, packed_shapes, quantize
+from moe_serve.kernels.packed import (
+    PackedWeight,
+    WeightFormat,
+    from_stored,
+    int8_activations,
+    packed_shapes,
+    quantize,
+    weights_label,
+)
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.output_dir import check_destination, written_aside
@@ -57,6 +65,7 @@ class Artifact:
     provenance: dict[str, Any] = field(default_factory=dict)
     quality: QualityTable | None = None
     weights: WeightsSpec | None = None  # weights stored packed (None: every tensor a float tensor)
+    activations: str = "fp32"  # what the CPU kernels round the packed weights' inputs to (fp32 or int8)
 
     @property
     def name(self) -> str:
@@ -70,6 +79,11 @@ class Artifact:
     @property
     def weight_format(self) -> str | None:
         return self.weights.format.value if self.weights is not None else None
+
+    @property
+    def weights_label(self) -> str | None:
+        """The weight format and activations quality rows name (packed.weights_label: "int8", "int8:int8")."""
+        return weights_label(self.weights.format.value, self.activations) if self.weights is not None else None
 
 
 def sha256_file(path: Path, read: Callable[[int], object] | None = None) -> str:
@@ -255,8 +269,10 @@ def load_artifact(
     if packing is not None:
         spec = WeightsSpec(packing, tuple(packable_weights(config, packing)))
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
+    activations = "fp32"
     if spec is not None and int8_activations(cpu_activations, spec.format):
         packed = {name: weight.with_int8_activations() for name, weight in packed.items()}
+        activations = "int8"
         logger.info("%s weights read int8 activations (--cpu-activations %s)", spec.format.value, cpu_activations)
 
     with torch.device("meta"):
@@ -265,7 +281,7 @@ def load_artifact(
     install(model, packed)
     model.eval().requires_grad_(False)
     model.prepare()
-    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality, spec)
+    return Artifact(path, config, tokenizer, model, manifest.get("provenance") or {}, quality, spec, activations)
 
 
 def check_packed_serving(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -> None:

@@ -43,6 +43,8 @@ class WeightFormat(enum.StrEnum):
 
 
 PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
+
 # --cpu-activations: the lowest precision the CPU kernels may round a weight's input to (ONNX Runtime's
 # accuracy_level). fp32: the exact mode. int8 and auto: int8 and int4 weights read int8 activations
 # (kernels/csrc/int_dot.h), the other formats fp32 (no bf16-activation kernels yet, so auto gives bf16 weights
@@ -50,12 +52,27 @@ PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
 CPU_ACTIVATIONS = ("fp32", "int8", "auto")
 
 
+def weights_label(fmt: str, activations: str = "fp32") -> str:
+    """What a quality row or a comparison names weights of `fmt` read with `activations` by: the format alone
+    for fp32 activations ("int8"), else FORMAT:ACTIVATIONS ("int8:int8")."""
+    return fmt if activations == "fp32" else f"{fmt}:{activations}"
+
+
+def parse_weights_label(label: str) -> tuple[str, str] | None:
+    """(format, activations) of a weights_label, or None where it names no packed format and activations
+    with kernels for it (int8 activations: int8 and int4 weights)."""
+    fmt, _, activations = label.partition(":")
+    activations = activations or "fp32"
+    if fmt not in PACKED_FORMAT_NAMES or activations not in ("fp32", "int8"):
+        return None
+    if activations == "int8" and not WeightFormat(fmt).grouped:
+        return None
+    return fmt, activations
+
+
 def int8_activations(mode: str, fmt: WeightFormat) -> bool:
     """Whether a weight of `fmt` reads int8 activations under --cpu-activations `mode`."""
     return mode in ("int8", "auto") and fmt.grouped
-
-
-PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
 
 
 def packed_format(name: object) -> WeightFormat | None:
