@@ -277,7 +277,7 @@ def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
         if parsed is None:
             raise ValidationError(
                 f"--compare-weights takes {', '.join(PACKED_FORMAT_NAMES)}, each optionally with :fp32 or (int8 and "
-                f"int4) :int8 activations; got {entry!r}",
+                f"int4) :int8 or :auto activations; got {entry!r}",
                 parameter="compare_weights",
             )
         formats.append(weights_label(*parsed))

@@ -23,21 +23,21 @@ from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
 from moe_serve.kernels import hugepages
-from moe_serve.kernels.packed import (
-    PackedWeight,
-    WeightFormat,
-    from_stored,
-    int8_activations,
-    packed_shapes,
-    quantize,
-    weights_label,
-)
+from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, packed_shapes, quantize, weights_label
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.output_dir import check_destination, written_aside
 from moe_serve.quality import QUALITY_FILE, QualityTable
 from moe_serve.tokenizer import Tokenizer
-from moe_serve.weights import MANIFEST_KEY, WeightsSpec, expected_tensors, install, pack, packable_weights
+from moe_serve.weights import (
+    MANIFEST_KEY,
+    WeightsSpec,
+    expected_tensors,
+    install,
+    pack,
+    packable_weights,
+    reads_int8_activations,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Artifact:
     provenance: dict[str, Any] = field(default_factory=dict)
     quality: QualityTable | None = None
     weights: WeightsSpec | None = None  # weights stored packed (None: every tensor a float tensor)
-    activations: str = "fp32"  # what the CPU kernels round the packed weights' inputs to (fp32 or int8)
+    activations: str = "fp32"  # --cpu-activations as it applied to the packed weights: fp32, int8 or auto
 
     @property
     def name(self) -> str:
@@ -270,10 +270,18 @@ def load_artifact(
         spec = WeightsSpec(packing, tuple(packable_weights(config, packing)))
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
     activations = "fp32"
-    if spec is not None and int8_activations(cpu_activations, spec.format):
-        packed = {name: weight.with_int8_activations() for name, weight in packed.items()}
-        activations = "int8"
-        logger.info("%s weights read int8 activations (--cpu-activations %s)", spec.format.value, cpu_activations)
+    if spec is not None:
+        int8 = {name for name in packed if reads_int8_activations(name, spec.format, cpu_activations)}
+        packed = {name: w.with_int8_activations() if name in int8 else w for name, w in packed.items()}
+        if int8:
+            activations = cpu_activations
+            logger.info(
+                "%d of %d %s weights read int8 activations (--cpu-activations %s)",
+                len(int8),
+                len(packed),
+                spec.format.value,
+                cpu_activations,
+            )
 
     with torch.device("meta"):
         model = MoETransformer(config)

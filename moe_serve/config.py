@@ -37,7 +37,7 @@ class EngineConfig:
         "fp32",
         "the lowest precision the CPU kernels may round activations to: fp32 (exact); int8: int8 and int4 weights "
         "read int8 activations (blocks of 32, an fp32 scale each, integer dot products; other formats fp32); auto: "
-        "as int8 (no bf16-activation kernels yet)",
+        "as int8 but attention's projections, which keep fp32 (docs/weight-formats.md)",
         choices=CPU_ACTIVATIONS,
     )
     cuda_graphs: bool = option(

@@ -9,7 +9,7 @@ server exports as `moe_serve_quality` gauges and the dashboard plots. Layout:
 `model` is optional inside an artifact (the table belongs to that artifact). `weights` names the weight format
 a row was measured with when it is not the artifact's floats (`"int8"`: `moe-serve eval --weights`, or an
 artifact written by `moe-serve quantize`), and FORMAT:ACTIVATIONS where the CPU kernels rounded its activations
-too (`"int8:int8"`: --cpu-activations int8); the metric `kl_from_float` is the mean KL divergence (nats per
+too (`"int8:int8"`, `"int8:auto"`: --cpu-activations); the metric `kl_from_float` is the mean KL divergence (nats per
 token) of its next-token distributions from the float weights' at the same k, `kl_from_fp32_activations` the
 same from its format's with fp32 activations. A row measured under an adaptive
 `moe` policy names it (`"policy": "top_p=0.8"`) and its `k` is the mean k its tokens took (a number, not an
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.errors import ArtifactError
-from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, parse_weights_label
+from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, parse_weights_label, weights_label
 
 QUALITY_FILE = "quality.json"
 LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity", "kl_from_float"})
@@ -133,9 +133,10 @@ def _row(entry: Any, where: str) -> QualityRow:
     if model is not None and not isinstance(model, str):
         raise ArtifactError(f"{where}.model must be a string, got {model!r}")
     weights = entry.get("weights")
-    if weights is not None and (not isinstance(weights, str) or parse_weights_label(weights) is None):
+    parsed = parse_weights_label(weights) if isinstance(weights, str) else None
+    if weights is not None and (parsed is None or weights_label(*parsed) != weights):  # one spelling a label
         raise ArtifactError(
-            f"{where}.weights must be one of {', '.join(PACKED_FORMAT_NAMES)}, or int8 or int4 with :int8 activations "
-            f"(int8:int8), got {weights!r}"
+            f"{where}.weights must be one of {', '.join(PACKED_FORMAT_NAMES)}, or int8 or int4 with :int8 or :auto "
+            f"activations (int8:int8), got {weights!r}"
         )
     return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy, weights)

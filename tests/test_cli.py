@@ -199,4 +199,24 @@ def test_eval_compares_weight_formats_with_kl_from_the_floats(run, tmp_path) -> 
         assert 0 < rows[("int8", k, "kl_from_float")] < rows[("int4", k, "kl_from_float")]
     assert "int4,shakespeare" in (tmp_path / "quality.csv").read_text()
     refused = run(*args, "--compare-weights", "int3", check=False)
-    assert refused.returncode == 2 and "--compare-weights takes bf16, int8, int4; got 'int3'" in refused.stderr
+    assert refused.returncode == 2 and "--compare-weights takes bf16, int8, int4" in refused.stderr
+    assert "got 'int3'" in refused.stderr
+    for entry in ("bf16:int8", "int8:int4"):  # no bf16 kernels of int8 activations; no int4 activations
+        refused = run(*args, "--compare-weights", entry, check=False)
+        assert refused.returncode == 2 and f"got {entry!r}" in refused.stderr
+
+
+@pytest.mark.slow
+def test_eval_compares_int8_activations_with_the_formats_fp32_ones(run, tmp_path) -> None:
+    """int8:int8 (int8 weights, int8 activations): its own rows, labelled so, its KL from the floats and from int8
+    weights with fp32 activations (loaded for the comparison when not asked for itself), written to quality.json."""
+    args = ["eval", "shakespeare-smoe", "--k", "1,2", "--max-items", "4", "--output-dir", str(tmp_path), "--json"]
+    out = json.loads(run(*args, "--compare-weights", "int8:int8,int4:fp32").stdout)
+    rows = {(r.get("weights"), r["k"], r["metric"]): r["value"] for r in out["results"]}
+    for k in (1, 2):
+        assert abs(rows[("int8:int8", k, "bits_per_byte")] - rows[(None, k, "bits_per_byte")]) < 0.01
+        assert 0 < rows[("int8:int8", k, "kl_from_fp32_activations")] < 0.01
+        assert 0 < rows[("int8:int8", k, "kl_from_float")] < 0.01
+        assert ("int4", k, "bits_per_byte") in rows  # int4:fp32 is int4
+    stored = json.loads((tmp_path / "shakespeare-smoe" / "quality.json").read_text())
+    assert any(r.get("weights") == "int8:int8" for r in stored["results"])

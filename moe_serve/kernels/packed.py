@@ -46,9 +46,9 @@ PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
 PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
 
 # --cpu-activations: the lowest precision the CPU kernels may round a weight's input to (ONNX Runtime's
-# accuracy_level). fp32: the exact mode. int8 and auto: int8 and int4 weights read int8 activations
-# (kernels/csrc/int_dot.h), the other formats fp32 (no bf16-activation kernels yet, so auto gives bf16 weights
-# fp32 activations).
+# accuracy_level). fp32: the exact mode. int8: int8 and int4 weights read int8 activations
+# (kernels/csrc/int_dot.h), the other formats fp32 (no bf16-activation kernels yet). auto: as int8 but for the
+# layer group that moved quality most (moe_serve.weights.reads_int8_activations).
 CPU_ACTIVATIONS = ("fp32", "int8", "auto")
 
 
@@ -60,19 +60,14 @@ def weights_label(fmt: str, activations: str = "fp32") -> str:
 
 def parse_weights_label(label: str) -> tuple[str, str] | None:
     """(format, activations) of a weights_label, or None where it names no packed format and activations
-    with kernels for it (int8 activations: int8 and int4 weights)."""
-    fmt, _, activations = label.partition(":")
-    activations = activations or "fp32"
-    if fmt not in PACKED_FORMAT_NAMES or activations not in ("fp32", "int8"):
+    with kernels for it (int8 and auto: int8 and int4 weights)."""
+    fmt, colon, activations = label.partition(":")
+    activations = activations if colon else "fp32"
+    if fmt not in PACKED_FORMAT_NAMES or activations not in CPU_ACTIVATIONS:
         return None
-    if activations == "int8" and not WeightFormat(fmt).grouped:
+    if activations != "fp32" and not WeightFormat(fmt).grouped:
         return None
     return fmt, activations
-
-
-def int8_activations(mode: str, fmt: WeightFormat) -> bool:
-    """Whether a weight of `fmt` reads int8 activations under --cpu-activations `mode`."""
-    return mode in ("int8", "auto") and fmt.grouped
 
 
 def packed_format(name: object) -> WeightFormat | None:

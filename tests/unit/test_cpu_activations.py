@@ -4,6 +4,7 @@ log-probabilities are the same alone and in a batch with other k, bitwise, and n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,19 +31,36 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_artifact(path, config, random_state_dict(config, seed=3), Tokenizer(byte_level_tokenizer()))
 
 
-def packed_weights(llm: LLM) -> list[PackedWeight]:
+def packed_weights(llm: LLM) -> dict[str, PackedWeight]:
+    """Every packed weight a module holds, by module name (attention's fused projections included)."""
     model = llm.artifact.model
-    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedWeight)]
+    return {
+        f"{name}.{attr}": value
+        for name, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, PackedWeight)
+    }
 
 
 @pytest.mark.parametrize(
     "weights, mode, int8",
-    [("int8", "int8", True), ("int4", "auto", True), ("bf16", "int8", False), ("int8", "fp32", False)],
+    [("int8", "int8", True), ("int4", "int8", True), ("bf16", "int8", False), ("int8", "fp32", False)],
 )
 def test_the_mode_reaches_the_weights_it_names(artifact: Path, weights: str, mode: str, int8: bool) -> None:
     llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations=mode))
     found = packed_weights(llm)
-    assert found and {w.int8_activations for w in found} == {int8}
+    assert found and {w.int8_activations for w in found.values()} == {int8}
+    assert llm.artifact.weights_label == (f"{weights}:{mode}" if int8 else weights)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_auto_keeps_attention_in_fp32_activations(artifact: Path, weights: str) -> None:
+    llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations="auto"))
+    found = packed_weights(llm)
+    attention = {name: w for name, w in found.items() if ".attn." in name}
+    assert attention and not any(w.int8_activations for w in attention.values())
+    assert all(w.int8_activations for name, w in found.items() if name not in attention)
+    assert llm.artifact.weights_label == f"{weights}:auto"
 
 
 def test_an_unknown_mode_is_refused_by_name() -> None:
@@ -86,3 +104,21 @@ def test_int8_activations_score_near_fp32_activations(artifact: Path, weights: s
         for a, b in zip(e.token_logprobs, r.token_logprobs, strict=True)
     ]
     assert 0 < sum(differences) / len(differences) < 0.02 and max(differences) < 0.5
+
+
+def test_quality_rows_name_the_activations_with_the_format() -> None:
+    from moe_serve.errors import ArtifactError
+    from moe_serve.quality import QualityTable
+
+    row = {"dataset": "shakespeare", "k": 2, "metric": "bits_per_byte", "value": 2.4}
+    table = QualityTable.parse(json.dumps({"results": [{**row, "weights": "int4:int8"}]}), "quality.json")
+    assert table.rows[0].weights == "int4:int8" and table.rows[0].series.endswith("(int4:int8)")
+    assert QualityTable.parse(json.dumps({"results": [{**row, "weights": "int8:auto"}]}), "q").rows[0].weights
+    for bad in ("bf16:int8", "int8:int4", "int8:"):
+        with pytest.raises(
+            ArtifactError,
+            match=f"weights must be one of bf16, int8, int4, or int8 or int4 with :int8 or :auto.*{bad!r}",
+        ):
+            QualityTable.parse(json.dumps({"results": [{**row, "weights": bad}]}), "quality.json")
+    with pytest.raises(ArtifactError, match="'int8:fp32'"):  # one spelling: int8
+        QualityTable.parse(json.dumps({"results": [{**row, "weights": "int8:fp32"}]}), "quality.json")

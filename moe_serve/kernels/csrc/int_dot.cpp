@@ -1,13 +1,14 @@
 // int8 activations: the quantizer and the integer-block dot products of int_dot.h, and int8_linear (a linear
 // over int8 or int4 weights with its input quantized first).
 //
-// Layout of the work: eight rows of W at a time, one per float lane. For each activation row and block b,
-// each of the eight weight blocks meets the row's 32 int8 values in vpmaddubsw (unsigned x signed bytes ->
-// pairs summed to int16: |pair| <= 2 * 127 * 127 or 2 * 15 * 127, no saturation) and vpmaddwd (-> eight
-// int32), the eight rows' int32 vectors are reduced to one vector of eight exact sums, and each lane adds
-// (d_w * d_x) * float(sum) to its output. int8 weights go through the sign trick (|x| unsigned, w carrying
-// x's sign; the format's values are in [-127, 127]); int4 weights are unsigned nibbles u with value u - 8,
-// so a block's sum is sum(u x) - 8 sum(x), the quantizer's block sum.
+// Eight rows of W at a time, one output row per 32-bit lane. Bytes meet in vpmaddubsw (unsigned x signed ->
+// pairs summed to int16: |pair| <= 2 * 127 * 127 or 2 * 15 * 127, no saturation) and vpmaddwd (-> int32);
+// each block's eight exact sums become (d_w * d_x) * float(sum) added to the lanes' outputs. int8 weights go
+// through the sign trick (|x| unsigned, w carrying x's sign; the format's values are in [-127, 127]); int4
+// weights are unsigned nibbles u of value u - 8, so a block's sum is sum(u x) - 8 sum(x), the quantizer's
+// block sum. Tiles (int_dot.h) feed a lane its row's bytes directly; rows as stored are eight streams whose
+// eight int32 vectors a block are reduced by horizontal adds (2-4x slower from memory: the fallback for
+// weights whose rows are not a multiple of 8).
 
 #include "int_dot.h"
 
@@ -19,7 +20,6 @@ namespace moe_serve {
 
 namespace {
 
-constexpr int LANES = 8;  // rows of W a register of eight fp32 outputs holds
 constexpr float TINY = 0x1p-120f;  // a block whose largest magnitude is smaller quantizes to 0 (1 / d would overflow)
 
 // Keeps the compiler from fusing a rounded multiply into the add that follows (an FMA would round once, and
@@ -77,7 +77,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* s) {
 }
 
 // Eight vectors of eight int32 partial sums -> one vector of their eight totals (exact: integer adds).
-inline __m256i reduce_rows(const __m256i p[LANES]) {
+inline __m256i reduce_rows(const __m256i p[TILE_ROWS]) {
   __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
   __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
@@ -102,11 +102,11 @@ inline __m256i block_sums(const Int4& w, int64_t n, int64_t k, __m256i xq, __m25
 constexpr int64_t PREFETCH_BLOCKS = 16;
 inline void prefetch_rows(const Int8& w, const int64_t* rows, int64_t k) {
   if (k >= w.K) return;
-  for (int j = 0; j < LANES; ++j) _mm_prefetch(reinterpret_cast<const char*>(w.q + rows[j] * w.K + k), _MM_HINT_T0);
+  for (int j = 0; j < TILE_ROWS; ++j) _mm_prefetch(reinterpret_cast<const char*>(w.q + rows[j] * w.K + k), _MM_HINT_T0);
 }
 inline void prefetch_rows(const Int4& w, const int64_t* rows, int64_t k) {
   if (k >= w.K || k % (2 * GROUP) != 0) return;
-  for (int j = 0; j < LANES; ++j) _mm_prefetch(reinterpret_cast<const char*>(w.q + rows[j] * (w.K / 2) + k / 2), _MM_HINT_T0);
+  for (int j = 0; j < TILE_ROWS; ++j) _mm_prefetch(reinterpret_cast<const char*>(w.q + rows[j] * (w.K / 2) + k / 2), _MM_HINT_T0);
 }
 template <typename W>
 constexpr int32_t weight_offset() { return std::is_same_v<W, Int4> ? 8 : 0; }
@@ -215,27 +215,27 @@ void int_dot_tiles(const QRows& x, int64_t M, const Int4Tiles& w, int64_t n0, in
 template <typename W>
 void int_dot_stored(const QRows& x, int64_t M, const W& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
   const int64_t K = w.K, B = K / GROUP;
-  std::vector<float> scales(B * LANES);  // [b][lane]: the eight rows' weight scales, block by block
-  for (int64_t n = n0; n < n1; n += LANES) {
-    int64_t rows = std::min<int64_t>(LANES, n1 - n);
-    int64_t row_of[LANES];  // a partial block repeats its last row: every lane computes, the tail is not stored
-    for (int j = 0; j < LANES; ++j) row_of[j] = n + std::min<int64_t>(j, rows - 1);
+  std::vector<float> scales(B * TILE_ROWS);  // [b][lane]: the eight rows' weight scales, block by block
+  for (int64_t n = n0; n < n1; n += TILE_ROWS) {
+    int64_t rows = std::min<int64_t>(TILE_ROWS, n1 - n);
+    int64_t row_of[TILE_ROWS];  // a partial block repeats its last row: every lane computes, the tail is not stored
+    for (int j = 0; j < TILE_ROWS; ++j) row_of[j] = n + std::min<int64_t>(j, rows - 1);
     for (int64_t b = 0; b < B; ++b)
-      for (int j = 0; j < LANES; ++j) scales[b * LANES + j] = _cvtsh_ss(w.d[row_of[j] * B + b]);
+      for (int j = 0; j < TILE_ROWS; ++j) scales[b * TILE_ROWS + j] = _cvtsh_ss(w.d[row_of[j] * B + b]);
     for (int64_t m = 0; m < M; ++m) {
       QRows xm = x.at(m);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < B; ++b) {
         __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm.q + b * GROUP));
         __m256i xabs = _mm256_sign_epi8(xq, xq);
-        __m256i p[LANES];
+        __m256i p[TILE_ROWS];
         if (b % 2 == 0) prefetch_rows(w, row_of, (b + PREFETCH_BLOCKS) * GROUP);
-        for (int j = 0; j < LANES; ++j) p[j] = block_sums(w, row_of[j], b * GROUP, xq, xabs);
+        for (int j = 0; j < TILE_ROWS; ++j) p[j] = block_sums(w, row_of[j], b * GROUP, xq, xabs);
         __m256i sums = reduce_rows(p);
         if constexpr (weight_offset<W>() != 0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(weight_offset<W>() * xm.s[b]));
-        acc = add_block(acc, _mm256_loadu_ps(scales.data() + b * LANES), xm.d[b], sums);
+        acc = add_block(acc, _mm256_loadu_ps(scales.data() + b * TILE_ROWS), xm.d[b], sums);
       }
-      alignas(32) float out[LANES];
+      alignas(32) float out[TILE_ROWS];
       _mm256_store_ps(out, acc);
       std::copy(out, out + rows, C + m * ldc + n);
     }
@@ -270,7 +270,6 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
 }
 
 at::Tensor int8_linear_operand(const at::Tensor& x, const Operand& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_int_dot(w.format), "int8_linear: int8 or int4 weights, got ", info(w.format).name);
   int64_t N = w.N, K = w.K;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int8_linear: x must be [M, ", K, "] for a weight [", N, ", ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: x must be float32, got ", x.scalar_type());
@@ -284,19 +283,17 @@ at::Tensor int8_linear_operand(const at::Tensor& x, const Operand& w, const c10:
   const float* bp = ptr_or_null(b);
   float* yp = y.data_ptr<float>();
   with_int_view(w, [&](const auto& view) {
-    {
-      auto body = [&](int64_t b0, int64_t b1) {
-        int64_t n0 = b0 * LANES, n1 = std::min(N, b1 * LANES);
-        int_dot_rows(rows, M, view, n0, n1, yp, N);
-        if (bp != nullptr)
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += bp[n];
-      };
-      int64_t blocks = (N + LANES - 1) / LANES;
-      int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-      if (small_work(M * N * K / 4)) body(0, blocks);
-      else at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (threads * 4)), body);
-    }
+    auto body = [&](int64_t b0, int64_t b1) {  // blocks of 8 rows: a tile each
+      int64_t n0 = b0 * TILE_ROWS, n1 = std::min(N, b1 * TILE_ROWS);
+      int_dot_rows(rows, M, view, n0, n1, yp, N);
+      if (bp != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += bp[n];
+    };
+    int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    if (small_work(M * N * K / 4)) body(0, blocks);
+    else at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (threads * 4)), body);
   });
   return y;
 }

@@ -3,8 +3,7 @@
 //
 // The quantizer (llama.cpp's Q8_0 on activations, with an fp32 scale): per row and block of 32 values,
 // d = max|x| / 127, q = round_half_even(x * (1 / d)) (d = 0 and q = 0 where max|x| < 2^-120, whose 1 / d
-// would overflow), each block's sum of q kept for int4's
-// offset. A block's dot product with a weight block is then an exact int32 (its order does not matter), and
+// would overflow), each block's sum of q kept for int4's offset. A block's dot product with a weight block is then an exact int32 (its order does not matter), and
 // an output is the fp32 sum over blocks b = 0, 1, .., K / 32 - 1 of (d_w[b] * d_x[b]) * float(isum[b]):
 // two multiplies and an add a block, each rounded (no FMA), in an order fixed by K alone. A row's result is
 // the same whatever it is batched with, and moe_serve.kernels.reference.int8_linear_torch reproduces it
@@ -101,9 +100,6 @@ extern template void int_dot_rows(const QRows&, int64_t, const Int8&, int64_t, i
 extern template void int_dot_rows(const QRows&, int64_t, const Int4&, int64_t, int64_t, float*, int64_t);
 extern template void int_dot_rows(const QRows&, int64_t, const Int8Tiles&, int64_t, int64_t, float*, int64_t);
 extern template void int_dot_rows(const QRows&, int64_t, const Int4Tiles&, int64_t, int64_t, float*, int64_t);
-
-// Whether a weight of this format has an integer kernel (int8, int4); the others keep fp32 activations.
-inline bool has_int_dot(Format f) { return f == Format::INT8 || f == Format::INT4; }
 
 // x [M, K] f32 -> (q int8 [M, K], d f32 [M, K / GROUP], s int32 [M, K / GROUP]): the quantizer, for the tests.
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x);
