@@ -45,6 +45,10 @@ class ExportedModel:
     def weight_format(self) -> str | None:
         return None  # the export refuses packed weights (moe_serve.weights.packed_refusal)
 
+    @property
+    def weights_label(self) -> str | None:
+        return None
+
 
 def load_export(model: str | Path, config: EngineConfig) -> ExportedModel:
     """Open an export directory (or graph file) for the configured device; refuse a dtype other than fp32."""

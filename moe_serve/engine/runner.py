@@ -45,6 +45,11 @@ class LoadedModel(Protocol):
         """The packed format its weights run in (bf16, int8, int4: moe_serve.kernels.packed); None: floats."""
         ...
 
+    @property
+    def weights_label(self) -> str | None:
+        """Its format and the activations the kernels read it with, as quality rows name them (int8:int8)."""
+        ...
+
 
 class Runner(Protocol):
     """Runs the engine's steps on one model (engine.model_runner.TorchRunner, engine.onnx_runner.OnnxRunner)."""
