@@ -312,19 +312,19 @@ def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[s
     packed = {}
     rows = []
 
-    def load(label: str) -> Any:
-        fmt, activations = parse_weights_label(label)  # type: ignore[misc]
+    parsed: dict[str, tuple[str, str]] = {label: parse_weights_label(label) for label in formats}  # type: ignore[misc]
+
+    def load(fmt: str, activations: str) -> Any:
         packed_config = dataclasses.replace(config, weights=fmt, cpu_activations=activations)
         return LLM(load_servable(model, packed_config), packed_config)
 
-    for label in formats:
-        packed[label] = load(label)
+    for label, (fmt, activations) in parsed.items():
+        packed[label] = load(fmt, activations)
         rows += run_eval(packed[label], ks, args.dataset, args.max_items, progress=not args.json)
     rows += weight_divergence(llm, packed, ks, args.dataset, args.max_items)
-    for label in formats:  # int8 activations against their format's fp32 ones
-        fmt, activations = parse_weights_label(label)  # type: ignore[misc]
+    for label, (fmt, activations) in parsed.items():  # int8 activations against their format's fp32 ones
         if activations != "fp32":
-            exact = packed[fmt] if fmt in packed else load(fmt)
+            exact = packed[fmt] if fmt in packed else load(fmt, "fp32")
             rows += weight_divergence(
                 exact, {label: packed[label]}, ks, args.dataset, args.max_items, metric="kl_from_fp32_activations"
             )

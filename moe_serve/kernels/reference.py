@@ -219,8 +219,8 @@ def mask_logits_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
 def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q int8 [M, K], d fp32 [M, K / 32], s int32 [M, K / 32]): per row and block of 32
     values, d = max|x| / 127, q = round_half_even(x * (1 / d)) (d = 0 and q = 0 where max|x| < 2^-120, whose
-    1 / d would overflow), s the block's sum of q. The
-    definition the C++ quantizer is tested against, bit for bit (finite x)."""
+    1 / d would overflow), s the block's sum of q. The definition the C++ quantizer is tested against, bit
+    for bit (finite x)."""
     M, K = x.shape
     blocks = x.float().reshape(M, K // GROUP_SIZE, GROUP_SIZE)
     amax = blocks.abs().amax(-1)

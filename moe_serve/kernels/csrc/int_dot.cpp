@@ -43,8 +43,8 @@ inline int32_t hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One block of 32 values: its int8 values, scale and sum.
-inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* s) {
+// One block of 32 values: its int8 values and their magnitudes, scale and sum.
+inline void quantize_block(const float* x, int8_t* q, int8_t* a, float* d, int32_t* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
   bool finite = true;
@@ -57,6 +57,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* s) {
   float m = hmax8(amax);
   if (!finite) {  // the block's outputs become NaN through its scale
     std::fill(q, q + GROUP, int8_t(0));
+    std::fill(a, a + GROUP, int8_t(0));
     *d = std::numeric_limits<float>::quiet_NaN();
     *s = 0;
     return;
@@ -72,6 +73,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* s) {
   __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
   bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_sign_epi8(bytes, bytes));
   *d = scale;
   *s = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
 }
@@ -115,18 +117,20 @@ constexpr int32_t weight_offset() { return std::is_same_v<W, Int4> ? 8 : 0; }
 
 QBuffer::QBuffer(int64_t M, int64_t K)
     : q(at::empty({M, K}, at::TensorOptions().dtype(at::kChar))),
+      a(at::empty({M, K}, at::TensorOptions().dtype(at::kChar))),
       d(at::empty({M, K / GROUP}, at::TensorOptions().dtype(at::kFloat))),
       s(at::empty({M, K / GROUP}, at::TensorOptions().dtype(at::kInt))) {}
 
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QBuffer& out) {
   int8_t* q = out.q.data_ptr<int8_t>();
+  int8_t* a = out.a.data_ptr<int8_t>();
   float* d = out.d.data_ptr<float>();
   int32_t* s = out.s.data_ptr<int32_t>();
   const int64_t B = K / GROUP;
   auto body = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < B; ++b)
-        quantize_block(x + m * ldx + b * GROUP, q + m * K + b * GROUP, d + m * B + b, s + m * B + b);
+        quantize_block(x + m * ldx + b * GROUP, q + m * K + b * GROUP, a + m * K + b * GROUP, d + m * B + b, s + m * B + b);
   };
   if (small_work(M * K)) body(0, M);
   else at::parallel_for(0, M, 1, body);
@@ -154,16 +158,11 @@ inline __m256 tile_scales(const uint16_t* d) {
 void int_dot_tiles(const QRows& x, int64_t M, const Int8Tiles& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
   const int64_t K = w.K, B = K / GROUP;
   const __m256i ones = _mm256_set1_epi16(1);
-  std::vector<int8_t> magnitudes(M * K);  // |q|: vpmaddubsw's unsigned operand, w taking q's sign
-  for (int64_t i = 0; i < M * K; i += 32) {
-    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(magnitudes.data() + i), _mm256_sign_epi8(q, q));
-  }
   for (int64_t n = n0; n < n1; n += TILE_ROWS) {
     Int8Tiles tile = w.at(n);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xq = x.q + m * K;
-      const int8_t* xa = magnitudes.data() + m * K;
+      const int8_t* xa = x.a + m * K;  // |q| unsigned, w taking q's sign
       const float* xd = x.d + m * B;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < B; ++b) {
@@ -227,7 +226,7 @@ void int_dot_stored(const QRows& x, int64_t M, const W& w, int64_t n0, int64_t n
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < B; ++b) {
         __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm.q + b * GROUP));
-        __m256i xabs = _mm256_sign_epi8(xq, xq);
+        __m256i xabs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm.a + b * GROUP));
         __m256i p[TILE_ROWS];
         if (b % 2 == 0) prefetch_rows(w, row_of, (b + PREFETCH_BLOCKS) * GROUP);
         for (int j = 0; j < TILE_ROWS; ++j) p[j] = block_sums(w, row_of[j], b * GROUP, xq, xabs);

@@ -26,20 +26,24 @@
 
 namespace moe_serve {
 
-// Activation rows in int8: q [M, K] (rows K apart), d [M, K / GROUP] fp32 scales, s [M, K / GROUP] block sums.
+// Activation rows in int8: q [M, K] (rows K apart), a = |q| [M, K] (vpmaddubsw's unsigned operand against
+// int8 weights, made once per row rather than per tile), d [M, K / GROUP] fp32 scales, s [M, K / GROUP] block sums.
 struct QRows {
   const int8_t* q;
+  const int8_t* a;
   const float* d;
   const int32_t* s;
   int64_t K;
-  QRows at(int64_t m) const { return {q + m * K, d + m * (K / GROUP), s + m * (K / GROUP), K}; }
+  QRows at(int64_t m) const { return {q + m * K, a + m * K, d + m * (K / GROUP), s + m * (K / GROUP), K}; }
 };
 
 // Storage for M quantized rows of K values (K a multiple of GROUP).
 struct QBuffer {
-  at::Tensor q, d, s;
+  at::Tensor q, a, d, s;
   QBuffer(int64_t M, int64_t K);
-  QRows rows() const { return {q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), q.size(1)}; }
+  QRows rows() const {
+    return {q.data_ptr<int8_t>(), a.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), q.size(1)};
+  }
 };
 
 // Rows x[m * ldx, +K) for m < M quantized into out, a QBuffer(M, K) (K a multiple of GROUP).
