@@ -1,9 +1,9 @@
-"""Decode steps with fp32 and with int8 activations (--cpu-activations), A/B: two engines on the same packed
-weights, each with `batch` sequences decoding, take turns for `--rounds` rounds of `--steps` steps; the median
-ms per step of each, the paired per-round ratios (fp32 / int8: the speedup) with their spread, and the load
-average.
+"""Decode steps with fp32 and with rounded activations (--cpu-activations int8: int8 ones for int8 and int4
+weights, bf16 ones for bf16 weights where the CPU has AVX-512 BF16), A/B: two engines on the same packed weights,
+each with `batch` sequences decoding, take turns for `--rounds` rounds of `--steps` steps; the median ms per step
+of each, the paired per-round ratios (fp32 / rounded: the speedup) with their spread, and the load average.
 
-    python -m benchmarks.activations_ab [--model medium] [--weights int8,int4] [--batches 1,16,64] [--k 2]
+    python -m benchmarks.activations_ab [--model medium] [--weights int8,int4,bf16] [--batches 1,16,64] [--k 2]
         [--rounds 10] [--steps 10] [--json PATH]
 
 The model is a benchmarks.models preset (built and cached on first use) or an artifact directory.
@@ -23,7 +23,7 @@ import torch
 from benchmarks.models import DEFAULT_CACHE, PRESETS, build
 from moe_serve import LLM, EngineConfig, SamplingParams
 
-MODES = ("fp32", "int8")
+MODES = ("fp32", "int8")  # int8: the lowest precision, so each format's own rounded activations
 
 
 def engine(path: str, weights: str, activations: str, batch: int, k: int, steps: int) -> LLM:
@@ -54,10 +54,11 @@ def measure(path: str, weights: str, batch: int, k: int, rounds: int, steps: int
     ratios = [a / b for a, b in zip(times["fp32"], times["int8"], strict=True)]
     return {
         "weights": weights,
+        "activations": engines["int8"].artifact.weights_label,
         "batch": batch,
         "k": k,
         "fp32_ms": round(statistics.median(times["fp32"]) * 1e3, 3),
-        "int8_ms": round(statistics.median(times["int8"]) * 1e3, 3),
+        "rounded_ms": round(statistics.median(times["int8"]) * 1e3, 3),
         "speedup_median": round(statistics.median(ratios), 3),
         "speedup_min": round(min(ratios), 3),
         "speedup_max": round(max(ratios), 3),
@@ -84,9 +85,9 @@ def main() -> None:
             row = measure(path, weights, batch, args.k, args.rounds, args.steps)
             rows.append(row)
             print(
-                f"{weights} batch {batch:>2} k={args.k}: fp32 activations {row['fp32_ms']:.2f} ms/step, int8 "
-                f"{row['int8_ms']:.2f}; speedup {row['speedup_median']}x (rounds {row['speedup_min']}-"
-                f"{row['speedup_max']}); load {row['load_average']}",
+                f"{weights} batch {batch:>2} k={args.k}: fp32 activations {row['fp32_ms']:.2f} ms/step, "
+                f"{row['activations']} {row['rounded_ms']:.2f}; speedup {row['speedup_median']}x "
+                f"(rounds {row['speedup_min']}-{row['speedup_max']}); load {row['load_average']}",
                 flush=True,
             )
     if args.json:

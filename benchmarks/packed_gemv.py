@@ -5,7 +5,8 @@
 - moe_experts at batch 1, k = 2 (gated experts: w1, w3 [16, 1024, 1024], w2 [16, 1024, 1024]);
 
 each with fp32 activations and, for int8 and int4 (rows int8/a8, int4/a8), with int8 activations
-(--cpu-activations int8: kernels/csrc/int_dot.h).
+(--cpu-activations int8: kernels/csrc/int_dot.h), for bf16 (bf16/a16, where the CPU has AVX-512 BF16) with bf16
+ones (bf16_dot.h).
 
 Each call reads its weights from memory, as in a decode step, whose weights are far larger than the caches:
 the calls cycle through enough copies of a weight (or, for the bank, through copies and expert pairs) that
@@ -37,26 +38,27 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.bandwidth import CopyMeter
-from moe_serve.kernels import ops
+from moe_serve.kernels import has_bf16_dot, ops
 from moe_serve.kernels.packed import WeightFormat, quantize
 from moe_serve.kernels.vocabulary import ExpertWeights, Weight, float_weight
 
-# (label, format, int8 activations)
+# (label, format, activations)
 FORMATS = (
-    ("fp32", WeightFormat.FP32, False),
-    ("bf16", WeightFormat.BF16, False),
-    ("int8", WeightFormat.INT8, False),
-    ("int4", WeightFormat.INT4, False),
-    ("int8/a8", WeightFormat.INT8, True),
-    ("int4/a8", WeightFormat.INT4, True),
+    ("fp32", WeightFormat.FP32, "fp32"),
+    ("bf16", WeightFormat.BF16, "fp32"),
+    ("int8", WeightFormat.INT8, "fp32"),
+    ("int4", WeightFormat.INT4, "fp32"),
+    ("bf16/a16", WeightFormat.BF16, "bf16"),
+    ("int8/a8", WeightFormat.INT8, "int8"),
+    ("int4/a8", WeightFormat.INT4, "int8"),
 )
 HIDDEN, INTERMEDIATE, EXPERTS, VOCAB, TOP_K = 1024, 1024, 16, 32000, 2
 EVICT_BYTES = 256 * 2**20  # what the copies of a weight add up to at least: several times the last-level cache
 LINEAR_SHAPES = {"lm_head": (VOCAB, HIDDEN), "proj": (HIDDEN, HIDDEN)}
 
 
-def packed(weight: torch.Tensor, fmt: WeightFormat, int8: bool = False) -> Weight:
-    return weight.clone() if fmt is WeightFormat.FP32 else quantize(weight, fmt).with_int8_activations(int8)
+def packed(weight: torch.Tensor, fmt: WeightFormat, activations: str = "fp32") -> Weight:
+    return weight.clone() if fmt is WeightFormat.FP32 else quantize(weight, fmt).with_activations(activations)
 
 
 def copy_of(weight: Weight) -> Weight:
@@ -88,11 +90,13 @@ def rotating_linear(x: torch.Tensor, weights: Sequence[Weight], i: int) -> torch
     return ops.linear(x, weights[i % len(weights)])
 
 
-def linear_rows(label: str, fmt: WeightFormat, int8: bool, name: str, rows: tuple[int, ...], reps: int) -> list[dict]:
+def linear_rows(
+    label: str, fmt: WeightFormat, activations: str, name: str, rows: tuple[int, ...], reps: int
+) -> list[dict]:
     n, k = LINEAR_SHAPES[name]
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=generator) * 0.02
-    first = packed(weight, fmt, int8)
+    first = packed(weight, fmt, activations)
     nbytes = first.nbytes
     weights = [first] + [copy_of(first) for _ in range(copies_for(nbytes) - 1)]
     results = []
@@ -103,12 +107,12 @@ def linear_rows(label: str, fmt: WeightFormat, int8: bool, name: str, rows: tupl
     return results
 
 
-def moe_row(label: str, fmt: WeightFormat, int8: bool, reps: int) -> dict:
+def moe_row(label: str, fmt: WeightFormat, activations: str, reps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
 
     w1, w3 = (torch.randn(EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) * 0.02 for _ in range(2))
     w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.02
-    parts = [packed(w, fmt, int8) for w in (w1, w2, w3)]
+    parts = [packed(w, fmt, activations) for w in (w1, w2, w3)]
     whole = sum(w.nbytes for w in parts)
     banks = [
         ExpertWeights(copy_of(parts[0]), copy_of(parts[1]), "silu", w3=copy_of(parts[2]))
@@ -168,10 +172,12 @@ def main() -> None:
     before = meter.measure()
     print(f"load average {load_average()}; copy bandwidth {before['copy_gb_s']:.1f} GB/s ({args.threads} threads)")
     rows = []
-    for label, fmt, int8 in FORMATS:
+    for label, fmt, activations in FORMATS:
+        if activations == "bf16" and not has_bf16_dot():
+            continue
         for name in LINEAR_SHAPES:
-            rows += linear_rows(label, fmt, int8, name, (1, 16, 64), args.reps)
-        rows.append(moe_row(label, fmt, int8, args.reps))
+            rows += linear_rows(label, fmt, activations, name, (1, 16, 64), args.reps)
+        rows.append(moe_row(label, fmt, activations, args.reps))
     after = meter.measure()
     copy = (before["copy_gb_s"] + after["copy_gb_s"]) / 2
     fp32 = {r["op"]: r["seconds"] for r in rows if r["format"] == "fp32"}

@@ -269,15 +269,20 @@ def evaluate(args: argparse.Namespace) -> int:
 def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
     """--compare-weights' entries (FORMAT, or FORMAT:ACTIVATIONS), refused before anything runs where they cannot;
     as packed.weights_label names them."""
-    from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, parse_weights_label, weights_label
+    from moe_serve.kernels import has_bf16_dot
+    from moe_serve.kernels.packed import WEIGHTS_LABELS, WeightFormat, mode_reads, parse_weights_label, weights_label
 
     formats = []
     for entry in (f.strip() for f in value.split(",") if f.strip()) if value else ():
         parsed = parse_weights_label(entry)
         if parsed is None:
             raise ValidationError(
-                f"--compare-weights takes {', '.join(PACKED_FORMAT_NAMES)}, each optionally with :fp32 or (int8 and "
-                f"int4) :int8 or :auto activations; got {entry!r}",
+                f"--compare-weights takes {WEIGHTS_LABELS}; got {entry!r}", parameter="compare_weights"
+            )
+        if mode_reads(WeightFormat(parsed[0]), parsed[1]) == "bf16" and not has_bf16_dot():
+            raise ValidationError(
+                f"--compare-weights {entry}: bf16 activations need a CPU with AVX-512 BF16 (vdpbf16ps); this one "
+                "would read fp32 ones",
                 parameter="compare_weights",
             )
         formats.append(weights_label(*parsed))
@@ -297,7 +302,7 @@ def _weight_formats(value: str | None, config: EngineConfig) -> list[str]:
 def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[str], ks: list[int], args) -> list:
     """The model with its float weights packed in each format (loaded that way: EngineConfig.weights and
     cpu_activations): its rows at each k, the KL divergence of its next-token distributions from the floats',
-    and for int8 activations from its format's with fp32 activations."""
+    and for rounded activations (int8, bf16) from its format's with fp32 activations."""
     from moe_serve.evaluation.runner import evaluate as run_eval
     from moe_serve.evaluation.runner import weight_divergence
     from moe_serve.exporters.onnx.cache import load_servable
@@ -322,7 +327,7 @@ def _compare_weights(llm: Any, model: str, config: EngineConfig, formats: list[s
         packed[label] = load(fmt, activations)
         rows += run_eval(packed[label], ks, args.dataset, args.max_items, progress=not args.json)
     rows += weight_divergence(llm, packed, ks, args.dataset, args.max_items)
-    for label, (fmt, activations) in parsed.items():  # int8 activations against their format's fp32 ones
+    for label, (fmt, activations) in parsed.items():  # rounded activations against their format's fp32 ones
         if activations != "fp32":
             exact = packed[fmt] if fmt in packed else load(fmt, "fp32")
             rows += weight_divergence(

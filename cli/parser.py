@@ -73,11 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-weights",
         default=None,
         metavar="FORMAT,...",
-        help="also evaluate each MODEL with its float weights packed in these formats (bf16, int8, int4; int8:int8, "
-        "int4:int8, int8:auto, int4:auto with --cpu-activations int8 or auto): the metric at each k, and for language "
-        "models the KL "
-        "divergence of next-token distributions from the floats (kl_from_float, nats per token) and, for int8 "
-        "activations, from the format's with fp32 activations (kl_from_fp32_activations)",
+        help="also evaluate each MODEL with its float weights packed in these formats (bf16, int8, int4; FORMAT:MODE "
+        "with --cpu-activations MODE: int8:int8, int4:int8, int8:auto, int4:auto, bf16:bf16, bf16:auto): the metric "
+        "at each k, and for language models the KL divergence of next-token distributions from the floats "
+        "(kl_from_float, nats per token) and, for rounded activations, from the format's with fp32 activations "
+        "(kl_from_fp32_activations)",
     )
     evaluate.add_argument("--dataset", default="shakespeare")
     evaluate.add_argument(

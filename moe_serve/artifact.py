@@ -7,6 +7,7 @@ problem. Weights are read with safetensors only: nothing is ever unpickled.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -22,8 +23,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_serve.errors import ArtifactError, ConfigError
-from moe_serve.kernels import hugepages
-from moe_serve.kernels.packed import PackedWeight, WeightFormat, from_stored, packed_shapes, quantize, weights_label
+from moe_serve.kernels import has_bf16_dot, hugepages
+from moe_serve.kernels.packed import (
+    PackedWeight,
+    WeightFormat,
+    from_stored,
+    mode_reads,
+    packed_shapes,
+    quantize,
+    weights_label,
+)
 from moe_serve.model_config import ModelConfig
 from moe_serve.models import MoETransformer
 from moe_serve.output_dir import check_destination, written_aside
@@ -32,11 +41,11 @@ from moe_serve.tokenizer import Tokenizer
 from moe_serve.weights import (
     MANIFEST_KEY,
     WeightsSpec,
+    activations_for,
     expected_tensors,
     install,
     pack,
     packable_weights,
-    reads_int8_activations,
 )
 
 logger = logging.getLogger(__name__)
@@ -271,15 +280,27 @@ def load_artifact(
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
     activations = "fp32"
     if spec is not None:
-        int8 = {name for name in packed if reads_int8_activations(name, spec.format, cpu_activations)}
-        packed = {name: w.with_int8_activations() if name in int8 else w for name, w in packed.items()}
-        if int8:
-            activations = cpu_activations
+        bf16_dot = mode_reads(spec.format, cpu_activations) == "bf16" and has_bf16_dot()
+        packed = {
+            name: w.with_activations(activations_for(name, spec.format, cpu_activations, bf16_dot))
+            for name, w in packed.items()
+        }
+        rounded = collections.Counter(w.activations for w in packed.values() if w.activations != "fp32")
+        for kind, count in rounded.items():
             logger.info(
-                "%d of %d %s weights read int8 activations (--cpu-activations %s)",
-                len(int8),
+                "%d of %d %s weights read %s activations (--cpu-activations %s)",
+                count,
                 len(packed),
                 spec.format.value,
+                kind,
+                cpu_activations,
+            )
+        if rounded:
+            activations = cpu_activations
+        elif mode_reads(spec.format, cpu_activations) == "bf16":
+            logger.warning(
+                "--cpu-activations %s: this CPU has no bf16 dot products (AVX-512 BF16), so the bf16 weights "
+                "keep fp32 activations",
                 cpu_activations,
             )
 

@@ -35,9 +35,10 @@ class EngineConfig:
     )
     cpu_activations: str = option(
         "fp32",
-        "the lowest precision the CPU kernels may round activations to: fp32 (exact); int8: int8 and int4 weights "
-        "read int8 activations (blocks of 32, an fp32 scale each, integer dot products; other formats fp32); auto: "
-        "as int8 but attention's projections, which keep fp32 (docs/weight-formats.md)",
+        "the lowest precision the CPU kernels may round a packed weight's input to: fp32 (exact); bf16: bf16 weights "
+        "read bf16 activations (vdpbf16ps, on CPUs with AVX-512 BF16; else fp32); int8: as bf16, and int8 and int4 "
+        "weights read int8 activations (blocks of 32, an fp32 scale each, integer dot products); auto: as int8 but "
+        "attention's projections of int8 and int4 weights, which keep fp32 (docs/weight-formats.md)",
         choices=CPU_ACTIVATIONS,
     )
     cuda_graphs: bool = option(
@@ -142,9 +143,8 @@ class EngineConfig:
                 f"weights must be one of {', '.join(PACKED_FORMAT_NAMES)}; got {self.weights!r}", parameter="weights"
             )
         if self.cpu_activations not in CPU_ACTIVATIONS:
-            hint = " (bf16 activations have no kernels yet: fp32 or auto)" if self.cpu_activations == "bf16" else ""
             raise ValidationError(
-                f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}; got {self.cpu_activations!r}{hint}",
+                f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}; got {self.cpu_activations!r}",
                 parameter="cpu_activations",
             )
         if self.weights is not None and self.backend != "torch":

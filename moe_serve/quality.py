@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_serve.errors import ArtifactError
-from moe_serve.kernels.packed import PACKED_FORMAT_NAMES, parse_weights_label, weights_label
+from moe_serve.kernels.packed import WEIGHTS_LABELS, parse_weights_label, weights_label
 
 QUALITY_FILE = "quality.json"
 LOWER_IS_BETTER = frozenset({"bits_per_byte", "perplexity", "kl_from_float"})
@@ -135,8 +135,5 @@ def _row(entry: Any, where: str) -> QualityRow:
     weights = entry.get("weights")
     parsed = parse_weights_label(weights) if isinstance(weights, str) else None
     if weights is not None and (parsed is None or weights_label(*parsed) != weights):  # one spelling a label
-        raise ArtifactError(
-            f"{where}.weights must be one of {', '.join(PACKED_FORMAT_NAMES)}, or int8 or int4 with :int8 or :auto "
-            f"activations (int8:int8), got {weights!r}"
-        )
+        raise ArtifactError(f"{where}.weights must be one of {WEIGHTS_LABELS}, got {weights!r}")
     return QualityRow(entry["dataset"], k, entry["metric"], float(value), model, policy, weights)

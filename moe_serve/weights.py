@@ -27,6 +27,7 @@ from moe_serve.kernels.packed import (
     PackedWeight,
     WeightFormat,
     check_packable,
+    mode_reads,
     packed_format,
     quantize,
 )
@@ -147,15 +148,19 @@ def pack(
     return out, WeightsSpec(fmt, tuple(packed))
 
 
-def reads_int8_activations(name: str, fmt: WeightFormat, mode: str) -> bool:
-    """Whether packed weight `name` of `fmt` reads int8 activations under --cpu-activations `mode`
-    (packed.CPU_ACTIVATIONS): under int8 every int8 and int4 weight; under auto the same but attention's
-    projections, which keep fp32 activations. Measured on the demos (docs/weight-formats.md): at k = 1 the
-    attention group alone moved the next-token distributions from fp32 activations' by 0.0010-0.0014 nats a
-    token (all groups: 0.0011-0.0016), the experts and LM head together by 0.0002-0.0008, within the 0.001 gate."""
-    if mode not in ("int8", "auto") or not fmt.grouped:
-        return False
-    return mode == "int8" or ".attn." not in name
+def activations_for(name: str, fmt: WeightFormat, mode: str, bf16_dot: bool) -> str:
+    """What packed weight `name` of `fmt` reads under --cpu-activations `mode` (packed.CPU_ACTIVATIONS):
+    packed.mode_reads's precision, except that under auto attention's projections of int8 and int4 weights keep
+    fp32 and that bf16 needs the CPU's bf16 dot products (`bf16_dot`: AVX-512 BF16; fp32 without). Measured on
+    the demos (docs/weight-formats.md): at k = 1 the attention group alone moved the next-token distributions
+    from fp32 activations' by 0.0010-0.0014 nats a token with int8 activations (all groups: 0.0011-0.0016), the
+    experts and LM head together by 0.0002-0.0008, within the 0.001 gate."""
+    kind = mode_reads(fmt, mode)
+    if kind == "int8" and mode == "auto" and ".attn." in name:
+        return "fp32"
+    if kind == "bf16" and not bf16_dot:
+        return "fp32"
+    return kind
 
 
 def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:

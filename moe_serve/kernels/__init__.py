@@ -166,5 +166,11 @@ def target_isa() -> str | None:
     return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
 
 
+def has_bf16_dot() -> bool:
+    """Whether the CPU kernels have bf16 dot products (--cpu-activations bf16: AVX-512 BF16, csrc/bf16_dot.h)."""
+    ext = cpu_extension()
+    return ext is not None and bool(ext.has_bf16_dot())
+
+
 def cpu_supports_kernels() -> bool:
     return target_isa() is not None

@@ -46,10 +46,24 @@ PACKED_FORMATS = (WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
 PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights and the manifest accept
 
 # --cpu-activations: the lowest precision the CPU kernels may round a weight's input to (ONNX Runtime's
-# accuracy_level). fp32: the exact mode. int8: int8 and int4 weights read int8 activations
-# (kernels/csrc/int_dot.h), the other formats fp32 (no bf16-activation kernels yet). auto: as int8 but for the
-# layer group that moved quality most (moe_serve.weights.reads_int8_activations).
-CPU_ACTIVATIONS = ("fp32", "int8", "auto")
+# accuracy_level). fp32: the exact mode. bf16: bf16 weights read bf16 activations (kernels/csrc/bf16_dot.h,
+# where the CPU has AVX-512 BF16), the other formats fp32. int8: as bf16, and int8 and int4 weights read int8
+# activations (int_dot.h). auto: as int8 but for the layer group that moved quality most
+# (moe_serve.weights.activations_for).
+CPU_ACTIVATIONS = ("fp32", "bf16", "int8", "auto")
+# What a packed weight's input can be rounded to (PackedWeight.activations): the formats with kernels for it.
+ACTIVATION_FORMATS = {"fp32": ("bf16", "int8", "int4"), "int8": ("int8", "int4"), "bf16": ("bf16",)}
+BF16_CHUNK = 32  # values of K a bf16 dot product takes at a time (bf16_dot.h): K must be a multiple
+
+
+def mode_reads(fmt: WeightFormat, mode: str) -> str:
+    """What weights of `fmt` read under --cpu-activations `mode` where nothing else decides (the layer-group
+    rule of `auto` and the CPU's instructions: weights.activations_for): the lowest precision `mode` allows
+    that `fmt` has kernels for."""
+    for kind in {"fp32": (), "bf16": ("bf16",), "int8": ("int8", "bf16"), "auto": ("int8", "bf16")}[mode]:
+        if fmt.value in ACTIVATION_FORMATS[kind]:
+            return kind
+    return "fp32"
 
 
 def weights_label(fmt: str, activations: str = "fp32") -> str:
@@ -58,14 +72,21 @@ def weights_label(fmt: str, activations: str = "fp32") -> str:
     return fmt if activations == "fp32" else f"{fmt}:{activations}"
 
 
+# What weights_label accepts, for messages (one owner): parse_weights_label's rule in words.
+WEIGHTS_LABELS = (
+    f"{', '.join(PACKED_FORMAT_NAMES)}, each optionally with :ACTIVATIONS that its kernels have (int8 and int4: "
+    ":int8 or :auto; bf16: :bf16, :int8 or :auto)"
+)
+
+
 def parse_weights_label(label: str) -> tuple[str, str] | None:
     """(format, activations) of a weights_label, or None where it names no packed format and activations
-    with kernels for it (int8 and auto: int8 and int4 weights)."""
+    with kernels for it (mode_reads: int8 and auto for int8 and int4 weights; bf16, int8 and auto for bf16)."""
     fmt, colon, activations = label.partition(":")
     activations = activations if colon else "fp32"
     if fmt not in PACKED_FORMAT_NAMES or activations not in CPU_ACTIVATIONS:
         return None
-    if activations != "fp32" and not WeightFormat(fmt).grouped:
+    if activations != "fp32" and mode_reads(WeightFormat(fmt), activations) == "fp32":
         return None
     return fmt, activations
 
@@ -88,23 +109,30 @@ class PackedWeight:
     data: torch.Tensor  # bf16 [.., N, K] | int8 [.., N, K] | uint8 [.., N, K / 2] (tiled: see `tile`)
     scales: torch.Tensor | None  # fp16 [.., N, K / GROUP_SIZE] for int8 and int4; None for bf16
     shape: tuple[int, ...]  # the logical shape [.., N, K]
-    # The CPU kernels quantize this weight's input to int8 blocks before the products (int8 and int4 weights,
-    # --cpu-activations int8: kernels/csrc/int_dot.h); False: fp32 activations, the exact mode.
-    int8_activations: bool = False
+    # What the CPU kernels round this weight's input to before the products (ACTIVATION_FORMATS): fp32 (nothing:
+    # the exact mode), int8 blocks (int8 and int4 weights: kernels/csrc/int_dot.h) or bf16 (bf16 weights:
+    # bf16_dot.h), as --cpu-activations decided (moe_serve.weights.activations_for).
+    activations: str = "fp32"
     tiled: bool = False  # data and scales in the integer kernels' tiles of 8 rows (`tile`)
 
     def __post_init__(self) -> None:
-        if self.int8_activations and not self.format.grouped:
-            raise PackError(f"only int8 and int4 weights take int8 activations, not {self.format.value}")
-        if self.tiled and not self.int8_activations:
+        if self.format.value not in ACTIVATION_FORMATS.get(self.activations, ()):
+            raise PackError(f"{self.format.value} weights cannot take {self.activations} activations")
+        if self.tiled and self.activations != "int8":
             raise PackError("tiles of 8 rows are the int8-activation kernels' layout")
 
-    def with_int8_activations(self, enabled: bool = True) -> PackedWeight:
-        """This weight, read by the integer kernels (int8 activations) where `enabled` and its format has them:
-        tiled (`tile`: a copy, after which this one can be freed) where its rows are a multiple of 8."""
-        if not (enabled and self.format.grouped):
-            return dataclasses.replace(untile(self), int8_activations=False)
-        weight = dataclasses.replace(self, int8_activations=True)
+    def with_activations(self, activations: str) -> PackedWeight:
+        """This weight read with `activations` (fp32, int8 or bf16) where its format has kernels for them, else
+        with fp32 ones: int8 tiled (`tile`: a copy, after which this one can be freed) where its rows are a
+        multiple of 8; bf16 where K is a multiple of BF16_CHUNK."""
+        if activations == self.activations:
+            return self
+        base = dataclasses.replace(untile(self), activations="fp32")
+        if activations == "fp32" or self.format.value not in ACTIVATION_FORMATS.get(activations, ()):
+            return base
+        if activations == "bf16":
+            return dataclasses.replace(base, activations="bf16") if self.shape[-1] % BF16_CHUNK == 0 else base
+        weight = dataclasses.replace(base, activations="int8")
         return tile(weight) if self.shape[-2] % TILE_ROWS == 0 else weight
 
     @property
@@ -141,7 +169,7 @@ class PackedWeight:
             p.format is not first.format
             or p.shape[:-2] != first.shape[:-2]
             or p.shape[-1] != first.shape[-1]
-            or p.int8_activations != first.int8_activations
+            or p.activations != first.activations
             for p in parts
         ):
             raise PackError("fused projections must share their format, activation precision and input features")

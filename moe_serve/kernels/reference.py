@@ -245,3 +245,33 @@ def int8_linear_torch(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
         sums = (q[:, cols].double() @ values[:, cols].double().T).float()  # exact: |sum| < 2^24
         acc = acc + (w_scales[None, :, b] * d[:, b, None]) * sums
     return acc + bias.float() if bias is not None else acc
+
+
+# ---- bf16 activations (kernels/csrc/bf16_dot.h) -----------------------------------------------------
+
+_FP32_TINY = 2.0**-126  # the smallest normal float32: vdpbf16ps reads bf16 below it as 0 and flushes results
+
+
+def _flush(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.abs() < _FP32_TINY, t * 0, t)  # keeps the sign, as the hardware's flush does
+
+
+def bf16_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ weight [N, K]^T bf16 (+ bias) with bf16 activations, as vdpbf16ps computes it: x rounded
+    to bf16 (PyTorch's rule), bf16 subnormals read as 0, and per output one 16-lane fp32 accumulator over
+    chunks of 32 values, lane j adding value 2j + 1's product then 2j's (each exact in fp32, each sum rounded
+    and flushed), chunk after chunk; then the lanes (j + 8), + 4, + 2, + 1. Bit for bit the kernel's where
+    every product lies in float32's normal range."""
+    M, K = x.shape
+    N = weight.shape[0]
+    xs = _flush(x.to(torch.bfloat16).float()).reshape(M, 1, K // 32, 16, 2)
+    ws = _flush(weight.float()).reshape(1, N, K // 32, 16, 2)
+    acc = torch.zeros(M, N, 16)
+    for c in range(K // 32):
+        for half in (1, 0):
+            acc = _flush(acc + xs[:, :, c, :, half] * ws[:, :, c, :, half])
+    acc = acc[..., :8] + acc[..., 8:]
+    acc = acc[..., :4] + acc[..., 4:]
+    acc = acc[..., :2] + acc[..., 2:]
+    out = acc[..., 0] + acc[..., 1]
+    return out + bias.float() if bias is not None else out

@@ -34,11 +34,13 @@ def float_weight(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def kernel_format(weight: Weight) -> str | None:
     """The C++ kernels' name of a weight's format (packed.WeightFormat's values, and "/int8" after int8 or int4
-    where the kernels quantize its input activations, "/int8-tiled" where its data is in tiles of 8 rows too:
-    formats.h's KernelFormat); None: they have none."""
+    where the kernels quantize its input activations, "/int8-tiled" where its data is in tiles of 8 rows too,
+    "/bf16" after bf16 where they round them to bf16: formats.h's KernelFormat); None: they have none."""
     if isinstance(weight, PackedWeight):
-        if not weight.int8_activations:
+        if weight.activations == "fp32":
             return weight.format.value
+        if weight.activations == "bf16":
+            return weight.format.value + "/bf16"
         return weight.format.value + ("/int8-tiled" if weight.tiled else "/int8")
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(weight.dtype)
 

@@ -1,6 +1,7 @@
 """--cpu-activations (EngineConfig.cpu_activations): fp32 is the exact mode; int8 (and auto) gives int8 and int4
-weights int8 activations and every other format fp32. Under int8 activations a request's tokens and
-log-probabilities are the same alone and in a batch with other k, bitwise, and near the fp32-activation ones."""
+weights int8 activations, bf16 (and int8 and auto) gives bf16 weights bf16 activations where the CPU has AVX-512
+BF16 (fp32 elsewhere). Under rounded activations a request's tokens and log-probabilities are the same alone
+and in a batch with other k, bitwise, and near the fp32-activation ones."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.artifact import save_artifact
 from moe_serve.config import EngineConfig
 from moe_serve.errors import ValidationError
+from moe_serve.kernels import has_bf16_dot
 from moe_serve.kernels.packed import PackedWeight
 from moe_serve.model_config import FFNConfig
 from moe_serve.testing import random_state_dict
@@ -42,15 +44,27 @@ def packed_weights(llm: LLM) -> dict[str, PackedWeight]:
     }
 
 
+BF16 = "bf16" if has_bf16_dot() else "fp32"  # what bf16 weights read where a mode allows bf16
+
+
 @pytest.mark.parametrize(
-    "weights, mode, int8",
-    [("int8", "int8", True), ("int4", "int8", True), ("bf16", "int8", False), ("int8", "fp32", False)],
+    "weights, mode, reads",
+    [
+        ("int8", "int8", "int8"),
+        ("int4", "int8", "int8"),
+        ("int8", "bf16", "fp32"),
+        ("int8", "fp32", "fp32"),
+        ("bf16", "int8", BF16),
+        ("bf16", "bf16", BF16),
+        ("bf16", "auto", BF16),
+        ("bf16", "fp32", "fp32"),
+    ],
 )
-def test_the_mode_reaches_the_weights_it_names(artifact: Path, weights: str, mode: str, int8: bool) -> None:
+def test_the_mode_reaches_the_weights_it_names(artifact: Path, weights: str, mode: str, reads: str) -> None:
     llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations=mode))
     found = packed_weights(llm)
-    assert found and {w.int8_activations for w in found.values()} == {int8}
-    assert llm.artifact.weights_label == (f"{weights}:{mode}" if int8 else weights)
+    assert found and {w.activations for w in found.values()} == {reads}
+    assert llm.artifact.weights_label == (f"{weights}:{mode}" if reads != "fp32" else weights)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -58,17 +72,13 @@ def test_auto_keeps_attention_in_fp32_activations(artifact: Path, weights: str) 
     llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations="auto"))
     found = packed_weights(llm)
     attention = {name: w for name, w in found.items() if ".attn." in name}
-    assert attention and not any(w.int8_activations for w in attention.values())
-    assert all(w.int8_activations for name, w in found.items() if name not in attention)
+    assert attention and all(w.activations == "fp32" for w in attention.values())
+    assert all(w.activations == "int8" for name, w in found.items() if name not in attention)
     assert llm.artifact.weights_label == f"{weights}:auto"
 
 
 def test_an_unknown_mode_is_refused_by_name() -> None:
-    with pytest.raises(
-        ValidationError, match="cpu_activations must be one of fp32, int8, auto; got 'bf16'.*no kernels"
-    ):
-        EngineConfig(cpu_activations="bf16")
-    with pytest.raises(ValidationError, match="got 'int4'"):
+    with pytest.raises(ValidationError, match="cpu_activations must be one of fp32, bf16, int8, auto; got 'int4'"):
         EngineConfig(cpu_activations="int4")
 
 
@@ -78,8 +88,12 @@ def _generate(llm: LLM, ks: list[int]) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_int8_activations_keep_each_request_the_same_in_a_mixed_k_batch(artifact: Path, weights: str) -> None:
+needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason="bf16 activations need AVX-512 BF16")
+ROUNDED = ["int8", "int4", pytest.param("bf16", marks=needs_bf16_dot)]  # the formats with rounded activations
+
+
+@pytest.mark.parametrize("weights", ROUNDED)
+def test_rounded_activations_keep_each_request_the_same_in_a_mixed_k_batch(artifact: Path, weights: str) -> None:
     llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations="int8"))
     ks = [1, 2, 4, 3]
     together = _generate(llm, ks)
@@ -89,8 +103,8 @@ def test_int8_activations_keep_each_request_the_same_in_a_mixed_k_batch(artifact
         assert (alone.token_ids, alone.logprobs) == together[i]
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_int8_activations_score_near_fp32_activations(artifact: Path, weights: str) -> None:
+@pytest.mark.parametrize("weights", ROUNDED)
+def test_rounded_activations_score_near_fp32_activations(artifact: Path, weights: str) -> None:
     texts = ["Now is the winter of our discontent", "Exit, pursued by a bear."]
     exact = LLM(artifact, EngineConfig(weights=weights)).score(texts, experts_per_token=2, return_token_logprobs=True)
     rounded = LLM(artifact, EngineConfig(weights=weights, cpu_activations="int8")).score(
@@ -114,11 +128,9 @@ def test_quality_rows_name_the_activations_with_the_format() -> None:
     table = QualityTable.parse(json.dumps({"results": [{**row, "weights": "int4:int8"}]}), "quality.json")
     assert table.rows[0].weights == "int4:int8" and table.rows[0].series.endswith("(int4:int8)")
     assert QualityTable.parse(json.dumps({"results": [{**row, "weights": "int8:auto"}]}), "q").rows[0].weights
-    for bad in ("bf16:int8", "int8:int4", "int8:"):
-        with pytest.raises(
-            ArtifactError,
-            match=f"weights must be one of bf16, int8, int4, or int8 or int4 with :int8 or :auto.*{bad!r}",
-        ):
+    assert QualityTable.parse(json.dumps({"results": [{**row, "weights": "bf16:bf16"}]}), "q").rows[0].weights
+    for bad in ("int8:bf16", "int8:int4", "int8:", "bf16:fp16"):
+        with pytest.raises(ArtifactError, match=f"weights must be one of bf16, int8, int4, each optionally.*{bad!r}"):
             QualityTable.parse(json.dumps({"results": [{**row, "weights": bad}]}), "quality.json")
     with pytest.raises(ArtifactError, match="'int8:fp32'"):  # one spelling: int8
         QualityTable.parse(json.dumps({"results": [{**row, "weights": "int8:fp32"}]}), "quality.json")

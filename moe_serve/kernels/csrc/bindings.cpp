@@ -6,6 +6,8 @@
 //                         streamed from memory once) and head_linear (latent attention's per-head maps)
 //   int_dot.cpp           quantize_activations (int8 activation rows in blocks of 32) and the integer-block
 //                         dot products of such rows with int8 and int4 weights (--cpu-activations int8)
+//   bf16_dot.cpp          activation rows rounded to bf16 and their vdpbf16ps dot products with bf16
+//                         weights (--cpu-activations bf16)
 //   moe.cpp               moe_experts, moe_experts_packed (grouped experts, a slot-ordered combine) and
 //                         topk_route (top-k experts per row and their combine weights)
 //   attention.cpp         rms_norm, rotary_write (rotary and the paged KV cache's writes), paged_attention,
@@ -23,6 +25,7 @@
 #include <map>
 
 #include "attention.h"
+#include "bf16_dot.h"
 #include "decode_stack.h"
 #include "int_dot.h"
 #include "latent_attention.h"
@@ -41,7 +44,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers);
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
+  m.def("int_dot_isa", [] { return std::string(int_dot_isa()); },
+        "the integer dot products' instructions (int8 activations): avx512-vnni or avx2");
   m.def("quantize_activations", &quantize_activations, "activation rows -> int8 blocks of 32: (q, scales, sums)");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the bf16 dot products (AVX-512 BF16)");
+  m.def("round_activations_bf16", [](const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "round_activations_bf16: x must be float32 [M, K]");
+    auto xc = x.contiguous();
+    BBuffer out(xc.size(0), xc.size(1));
+    round_rows_bf16(xc.data_ptr<float>(), xc.size(1), xc.size(0), xc.size(1), out);
+    return out.x;
+  }, "activation rows rounded to bf16 as the bf16 dot products take them (for the tests)");
   m.def("moe_experts", &moe_experts, "grouped experts with a slot-ordered combine");
   m.def("moe_experts_packed", &moe_experts_packed, "moe_experts over packed banks (up: w1, w3; down: w2)");
   m.def("weight_formats", [] {

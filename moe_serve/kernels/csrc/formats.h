@@ -40,25 +40,35 @@ inline Format parse_format(const std::string& name) {
   TORCH_CHECK(false, "unknown weight format '", name, "': fp32, bf16, int8 or int4");
 }
 
-// A kernel format, as Python passes it (moe_serve.kernels.vocabulary.kernel_format): a weight format, and
-// "/int8" where the kernels quantize the weight's input activations to int8 (int8 and int4 weights,
-// int_dot.h: --cpu-activations int8), "/int8-tiled" where its data is also in int_dot.h's tiles of 8 rows.
+// What the kernels round a weight's input activations to before the products (--cpu-activations): nothing
+// (fp32, the exact mode), int8 blocks (int8 and int4 weights: int_dot.h) or bf16 (bf16 weights: bf16_dot.h).
+enum class Activations { F32, INT8, BF16 };
+
+// A kernel format, as Python passes it (moe_serve.kernels.vocabulary.kernel_format): a weight format, then
+// "/int8" where the kernels quantize the weight's input to int8 (int8 and int4 weights), "/int8-tiled" where
+// its data is also in int_dot.h's tiles of 8 rows, "/bf16" where they round it to bf16 (bf16 weights).
 struct KernelFormat {
   Format format;
-  bool int8_activations = false;
+  Activations activations = Activations::F32;
   bool tiled = false;
 };
 
 inline KernelFormat parse_kernel_format(const std::string& name) {
   size_t slash = name.find('/');
   Format format = parse_format(name.substr(0, slash));
-  if (slash == std::string::npos) return {format, false, false};
+  if (slash == std::string::npos) return {format};
   std::string activations = name.substr(slash + 1);
-  TORCH_CHECK((activations == "int8" || activations == "int8-tiled") && (format == Format::INT8 || format == Format::INT4),
-              "kernel format '", name, "': only int8 and int4 weights take int8 activations (int8/int8, int4/int8, "
-              "int8/int8-tiled, int4/int8-tiled)");
-  return {format, true, activations == "int8-tiled"};
+  bool grouped = format == Format::INT8 || format == Format::INT4;
+  if (grouped && (activations == "int8" || activations == "int8-tiled"))
+    return {format, Activations::INT8, activations == "int8-tiled"};
+  if (format == Format::BF16 && activations == "bf16") return {format, Activations::BF16};
+  TORCH_CHECK(false, "kernel format '", name, "': int8 and int4 weights take int8 activations (int8/int8, int4/int8, "
+              "int8/int8-tiled, int4/int8-tiled), bf16 weights bf16 ones (bf16/bf16)");
 }
+
+// Whether this build has bf16_dot.h's products (AVX-512 BF16); without them check_operand refuses a
+// bf16-activation operand by name.
+bool has_bf16_dot();
 
 // Tiles of 8 rows (int_dot.h): the bytes of one group of 32 values of each of the 8 rows, interleaved by 4.
 inline constexpr int64_t TILE_ROWS = 8;
@@ -117,7 +127,7 @@ struct Operand {
   at::Tensor data, scales;  // scales: the grouped formats only
   int64_t K;                   // input features (int4 data holds K / 2 bytes a row)
   int64_t N;                   // output features (rows of each matrix)
-  bool int8_activations = false;  // the input is quantized to int8 (int_dot.h) before the products
+  Activations activations = Activations::F32;  // what the input is rounded to before the products
   bool tiled = false;          // data [.., N / 8, K / 32, tile_bytes], scales [.., N / 8, K / 32, 8] (int_dot.h)
 };
 
@@ -149,7 +159,11 @@ inline Operand check_operand(const std::string& what, const at::Tensor& data, co
                              KernelFormat format, int64_t dims) {
   if (!format.tiled) {
     Operand w = check_operand(what, data, scales, format.format, dims);
-    w.int8_activations = format.int8_activations;
+    w.activations = format.activations;
+    if (w.activations == Activations::BF16) {
+      TORCH_CHECK(has_bf16_dot(), what, ": bf16 activations need AVX-512 BF16 (vdpbf16ps), which this build lacks");
+      TORCH_CHECK(w.K % 32 == 0, what, ": bf16 activations need K a multiple of 32, got K = ", w.K);
+    }
     return w;
   }
   const FormatInfo& f = info(format.format);
@@ -162,7 +176,7 @@ inline Operand check_operand(const std::string& what, const at::Tensor& data, co
   TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kHalf &&
                   scales->sizes() == at::IntArrayRef(expected) && scales->is_contiguous(),
               what, ": tiled scales must be contiguous float16 ", at::IntArrayRef(expected));
-  return {format.format, data, *scales, data.size(-2) * GROUP, data.size(-3) * TILE_ROWS, true, true};
+  return {format.format, data, *scales, data.size(-2) * GROUP, data.size(-3) * TILE_ROWS, Activations::INT8, true};
 }
 
 inline const uint16_t* scales_of(const Operand& w) { return reinterpret_cast<const uint16_t*>(w.scales.data_ptr<at::Half>()); }

@@ -9,6 +9,11 @@
 // block sum. Tiles (int_dot.h) feed a lane its row's bytes directly; rows as stored are eight streams whose
 // eight int32 vectors a block are reduced by horizontal adds (2-4x slower from memory: the fallback for
 // weights whose rows are not a multiple of 8).
+//
+// With AVX-512 VNNI (the AVX-512 build on Ice Lake, Zen 4 and later), vpdpbusd does a step's four products and
+// their sum into int32 in one instruction, without the int16 stage. Its unsigned operand is then the weights:
+// int8 values w as w + 128 (w ^ 0x80), whose block sum is sum((w + 128) x) - 128 sum(x), and int4 nibbles as
+// they are. Integer sums are exact either way, so both builds give the same int32 and then the same floats.
 
 #include "int_dot.h"
 
@@ -17,6 +22,13 @@
 #include <type_traits>
 
 namespace moe_serve {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MOE_SERVE_VNNI 1
+const char* int_dot_isa() { return "avx512-vnni"; }
+#else
+const char* int_dot_isa() { return "avx2"; }
+#endif
 
 namespace {
 
@@ -86,18 +98,26 @@ inline __m256i reduce_rows(const __m256i p[TILE_ROWS]) {
 }
 
 // A weight block of row n meeting the activation block (xq, and for int8 |xq|): eight int32 partial sums.
+// (With VNNI, int8's are of w + 128: weight_offset below.)
 inline __m256i block_sums(const Int8& w, int64_t n, int64_t k, __m256i xq, __m256i xabs) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + n * w.K + k));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(wq, xq)), ones);
+#ifdef MOE_SERVE_VNNI
+  (void)xabs;
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(wq, _mm256_set1_epi8(char(0x80))), xq);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(wq, xq)), _mm256_set1_epi16(1));
+#endif
 }
 inline __m256i block_sums(const Int4& w, int64_t n, int64_t k, __m256i xq, __m256i) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + n * (w.K / 2) + k / 2));
   // byte j holds value j (low nibble) and value j + 16 (high nibble): packed.py's layout
   __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), ones);
+#ifdef MOE_SERVE_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+#endif
 }
 // The eight rows are eight streams through memory, more than the hardware prefetchers follow well: each
 // row's line PREFETCH_BLOCKS blocks ahead is asked for explicitly.
@@ -110,8 +130,16 @@ inline void prefetch_rows(const Int4& w, const int64_t* rows, int64_t k) {
   if (k >= w.K || k % (2 * GROUP) != 0) return;
   for (int j = 0; j < TILE_ROWS; ++j) _mm_prefetch(reinterpret_cast<const char*>(w.q + rows[j] * (w.K / 2) + k / 2), _MM_HINT_T0);
 }
+// What block_sums' unsigned weights are offset by: a block's sum is theirs minus offset * sum(x).
 template <typename W>
-constexpr int32_t weight_offset() { return std::is_same_v<W, Int4> ? 8 : 0; }
+constexpr int32_t weight_offset() {
+  if constexpr (std::is_same_v<W, Int4> || std::is_same_v<W, Int4Tiles>) return 8;
+#ifdef MOE_SERVE_VNNI
+  return 128;
+#else
+  return 0;
+#endif
+}
 
 }  // namespace
 
@@ -157,16 +185,35 @@ inline __m256 tile_scales(const uint16_t* d) {
 // Tiles: rows [n0, n1) in steps of 8, each activation row against each tile while it sits in L1.
 void int_dot_tiles(const QRows& x, int64_t M, const Int8Tiles& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
   const int64_t K = w.K, B = K / GROUP;
+#ifdef MOE_SERVE_VNNI
+  const __m256i flip = _mm256_set1_epi8(char(0x80));  // w -> w + 128, unsigned
+#else
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   for (int64_t n = n0; n < n1; n += TILE_ROWS) {
     Int8Tiles tile = w.at(n);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xq = x.q + m * K;
+#ifdef MOE_SERVE_VNNI
+      const int32_t* xs = x.s + m * B;
+#else
       const int8_t* xa = x.a + m * K;  // |q| unsigned, w taking q's sign
+#endif
       const float* xd = x.d + m * B;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t b = 0; b < B; ++b) {
         const int8_t* t = tile.q + b * Int8Tiles::TILE;
+#ifdef MOE_SERVE_VNNI
+        // two chains of four steps (an integer add joins them: the same sum)
+        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s += 2) {
+          __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s)), flip);
+          __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s + 32)), flip);
+          even = _mm256_dpbusd_epi32(even, w0, broadcast4(xq + b * GROUP + 4 * s));
+          odd = _mm256_dpbusd_epi32(odd, w1, broadcast4(xq + b * GROUP + 4 * s + 4));
+        }
+        __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_set1_epi32(128 * xs[b]));
+#else
         __m256i sums = _mm256_setzero_si256();
         for (int s = 0; s < 8; ++s) {
           __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
@@ -174,6 +221,7 @@ void int_dot_tiles(const QRows& x, int64_t M, const Int8Tiles& w, int64_t n0, in
           __m256i pairs = _mm256_maddubs_epi16(broadcast4(xa + b * GROUP + 4 * s), _mm256_sign_epi8(wv, xs));
           sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
         }
+#endif
         acc = add_block(acc, tile_scales(tile.d + b * TILE_ROWS), xd[b], sums);
       }
       _mm256_storeu_ps(C + m * ldc + n, acc);
@@ -183,7 +231,10 @@ void int_dot_tiles(const QRows& x, int64_t M, const Int8Tiles& w, int64_t n0, in
 
 void int_dot_tiles(const QRows& x, int64_t M, const Int4Tiles& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
   const int64_t K = w.K, B = K / GROUP;
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+#ifndef MOE_SERVE_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   for (int64_t n = n0; n < n1; n += TILE_ROWS) {
     Int4Tiles tile = w.at(n);
     for (int64_t m = 0; m < M; ++m) {
@@ -194,6 +245,15 @@ void int_dot_tiles(const QRows& x, int64_t M, const Int4Tiles& w, int64_t n0, in
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* t = tile.q + b * Int4Tiles::TILE;
         const int8_t* xb = xq + b * GROUP;
+#ifdef MOE_SERVE_VNNI
+        __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();  // two chains, joined exactly
+        for (int s = 0; s < 4; ++s) {
+          __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
+          low = _mm256_dpbusd_epi32(low, _mm256_and_si256(bytes, low4), broadcast4(xb + 4 * s));
+          high = _mm256_dpbusd_epi32(high, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), broadcast4(xb + 16 + 4 * s));
+        }
+        __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(low, high), _mm256_set1_epi32(8 * xs[b]));
+#else
         // int16 pair sums of nibbles (<= 15) and int8 values: 4 steps x 2 halves x 2 * 15 * 127 < 2^15
         __m256i pairs = _mm256_setzero_si256();
         for (int s = 0; s < 4; ++s) {
@@ -203,6 +263,7 @@ void int_dot_tiles(const QRows& x, int64_t M, const Int4Tiles& w, int64_t n0, in
           pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * s)));
         }
         __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(8 * xs[b]));
+#endif
         acc = add_block(acc, tile_scales(tile.d + b * TILE_ROWS), xd[b], sums);
       }
       _mm256_storeu_ps(C + m * ldc + n, acc);

@@ -16,8 +16,9 @@
 // the 8 rows' fp16 scales. One 32-byte load then feeds one output row per 32-bit lane, with a broadcast of
 // four activation bytes: the 8 rows' sums build up lane by lane, without horizontal adds, from one stream.
 //
-// The kernels use AVX2 integer instructions (vpmaddubsw, vpmaddwd) on both builds, so the AVX-512 build
-// computes exactly what the AVX2 build does.
+// The kernels use 256-bit integer instructions on both builds: vpmaddubsw and vpmaddwd, or AVX-512 VNNI's
+// vpdpbusd where the AVX-512 build has it. Block sums are exact integers either way, so every build computes
+// the same bits.
 #pragma once
 
 #include <type_traits>
@@ -25,6 +26,9 @@
 #include "formats.h"
 
 namespace moe_serve {
+
+// The integer dot products' instructions in this build: "avx512-vnni" (vpdpbusd) or "avx2".
+const char* int_dot_isa();
 
 // Activation rows in int8: q [M, K] (rows K apart), a = |q| [M, K] (vpmaddubsw's unsigned operand against
 // int8 weights, made once per row rather than per tile), d [M, K / GROUP] fp32 scales, s [M, K / GROUP] block sums.
@@ -82,10 +86,10 @@ void with_int_view(const Operand& w, F&& f) {
   }
 }
 
-// f(view) for any operand: with_int_view where its input is quantized, else formats.h's with_view.
+// f(view) for any operand: with_int_view where its input is quantized to int8, else formats.h's with_view.
 template <typename F>
 void with_any_view(const Operand& w, F&& f) {
-  if (w.int8_activations) with_int_view(w, f);
+  if (w.activations == Activations::INT8) with_int_view(w, f);
   else with_view(w, f);
 }
 

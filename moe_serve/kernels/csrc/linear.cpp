@@ -4,6 +4,7 @@
 
 #include "linear.h"
 
+#include "bf16_dot.h"
 #include "int_dot.h"
 
 namespace moe_serve {
@@ -46,7 +47,8 @@ void linear_impl(const float* x_in, int64_t M, int64_t K, const W& w, const floa
 }  // namespace
 
 at::Tensor linear_operand(const at::Tensor& x, const Operand& w, const c10::optional<at::Tensor>& bias) {
-  if (w.int8_activations) return int8_linear_operand(x, w, bias);
+  if (w.activations == Activations::INT8) return int8_linear_operand(x, w, bias);
+  if (w.activations == Activations::BF16) return bf16_linear_operand(x, w, bias);
   int64_t N = w.N, K = w.K;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "linear: x must be [M, ", K, "] for a weight [", N, ", ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: x must be float32, got ", x.scalar_type());

@@ -7,6 +7,7 @@
 
 #include <numeric>
 
+#include "bf16_dot.h"
 #include "int_dot.h"
 #include "linear.h"
 
@@ -74,15 +75,27 @@ struct Work {
 
 // out[s, r] for the slots s of each work item's expert: dot(in[s], w[e, r]) (+ b[e, r]); gated (w3): the
 // first matrix activated times the second; activate: act(first + b). w and w3 are banks [E * rows, cols].
-// qin: the same rows quantized to int8 (int_dot.h), whose integer products then replace the float ones.
+// rounded: the same rows quantized to int8 (int_dot.h) or rounded to bf16 (bf16_dot.h), whose products then
+// replace the float ones.
+struct RoundedRows {
+  const QRows* int8 = nullptr;
+  const BRows* bf16 = nullptr;
+};
+
 template <typename W>
 void expert_matmul(const std::vector<Work>& work, const std::vector<int64_t>& offsets, const float* in, int64_t ldin,
-                   const QRows* qin, const W& w, const float* b, const W* w3, const float* b3, int64_t rows,
+                   const RoundedRows& rounded, const W& w, const float* b, const W* w3, const float* b3, int64_t rows,
                    int64_t cols, const Act& act, bool activate_out, float* out, int64_t ldout, float* scratch) {
   auto dot = [&](const W& bank, int64_t s0, int64_t n, const Work& job, float* to) {
     if constexpr (has_int_kernel<W>) {
-      if (qin != nullptr) {
-        int_dot_rows(qin->at(s0), n, bank.at(job.expert * rows), job.r0, job.r1, to + s0 * ldout, ldout);
+      if (rounded.int8 != nullptr) {
+        int_dot_rows(rounded.int8->at(s0), n, bank.at(job.expert * rows), job.r0, job.r1, to + s0 * ldout, ldout);
+        return;
+      }
+    }
+    if constexpr (std::is_same_v<W, Dense<bf16>>) {
+      if (rounded.bf16 != nullptr) {
+        bf16_dot_rows(rounded.bf16->at(s0), n, bank.at(job.expert * rows), cols, job.r0, job.r1, to + s0 * ldout, ldout);
         return;
       }
     }
@@ -144,7 +157,7 @@ at::Tensor moe_experts_operands(const at::Tensor& x, const at::Tensor& topk_ids,
   TORCH_CHECK(w2.data.size(0) == E && w2.N == D && w2.K == I, "moe_experts: w2 must be [E, D, I] = [", E, ", ",
               D, ", ", I, "], got ", w2.data.sizes(), " holding K = ", w2.K);
   TORCH_CHECK(!w3.has_value() || (w3->format == w1.format && w3->tiled == w1.tiled &&
-                                   w3->int8_activations == w1.int8_activations && w3->data.sizes() == w1.data.sizes()),
+                                   w3->activations == w1.activations && w3->data.sizes() == w1.data.sizes()),
               "moe_experts: w3 must match w1's format, layout and shape");
   const int64_t* idp = ids.data_ptr<int64_t>();
 
@@ -177,28 +190,32 @@ at::Tensor moe_experts_operands(const at::Tensor& x, const at::Tensor& topk_ids,
   at::Tensor b3f = check_bias("moe_experts: b3", b3, {E, I});
   at::Tensor b2f = check_bias("moe_experts: b2", b2, {E, D});
   std::vector<Work> up_work = plan(offsets, I, D), down_work = plan(offsets, D, I);
-  // int8 activations: the slots' rows quantized once for the up projection (and the gate), the activated
-  // rows once for the down projection.
+  // int8 or bf16 activations: the slots' rows rounded once for the up projection (and the gate), the
+  // activated rows once for the down projection.
   c10::optional<QBuffer> xq, hq;
-  if (w1.int8_activations) {
-    xq.emplace(S, D);
-    quantize_rows(xsp, ldd, S, D, *xq);
-  }
+  c10::optional<BBuffer> xb, hb;
+  auto round = [&](const Operand& w, const float* rows, int64_t ld, int64_t K, c10::optional<QBuffer>& q,
+                   c10::optional<BBuffer>& b) {
+    if (w.activations == Activations::INT8) quantize_rows(rows, ld, S, K, q.emplace(S, K));
+    if (w.activations == Activations::BF16) round_rows_bf16(rows, ld, S, K, b.emplace(S, K));
+  };
+  round(w1, xsp, ldd, D, xq, xb);
   with_any_view(w1, [&](const auto& up) {
     using W = std::decay_t<decltype(up)>;
     W gate = w3.has_value() ? view<W>(*w3) : W{};
-    QRows rows = xq.has_value() ? xq->rows() : QRows{};
-    expert_matmul(up_work, offsets, xsp, ldd, xq.has_value() ? &rows : nullptr, up, ptr_or_null(b1f),
-                  w3.has_value() ? &gate : nullptr, ptr_or_null(b3f), I, D, act, true, hp, ldi, upp);
+    QRows qrows = xq.has_value() ? xq->rows() : QRows{};
+    BRows brows = xb.has_value() ? xb->rows() : BRows{};
+    RoundedRows rounded{xq.has_value() ? &qrows : nullptr, xb.has_value() ? &brows : nullptr};
+    expert_matmul(up_work, offsets, xsp, ldd, rounded, up, ptr_or_null(b1f), w3.has_value() ? &gate : nullptr,
+                  ptr_or_null(b3f), I, D, act, true, hp, ldi, upp);
   });
-  if (w2.int8_activations) {
-    hq.emplace(S, I);
-    quantize_rows(hp, ldi, S, I, *hq);
-  }
+  round(w2, hp, ldi, I, hq, hb);
   with_any_view(w2, [&](const auto& down) {
-    QRows rows = hq.has_value() ? hq->rows() : QRows{};
-    expert_matmul(down_work, offsets, hp, ldi, hq.has_value() ? &rows : nullptr, down, ptr_or_null(b2f),
-                  decltype(&down)(nullptr), nullptr, D, I, act, false, ysp, D, nullptr);
+    QRows qrows = hq.has_value() ? hq->rows() : QRows{};
+    BRows brows = hb.has_value() ? hb->rows() : BRows{};
+    RoundedRows rounded{hq.has_value() ? &qrows : nullptr, hb.has_value() ? &brows : nullptr};
+    expert_matmul(down_work, offsets, hp, ldi, rounded, down, ptr_or_null(b2f), decltype(&down)(nullptr), nullptr, D,
+                  I, act, false, ysp, D, nullptr);
   });
 
   // Combine each token's slots in slot order with their weights: no atomics, batch-independent.

@@ -13,6 +13,7 @@ import torch
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.decode_stack import unsupported_reason
 from moe_serve.engine.kv_cache import KVCache, cache_shape
+from moe_serve.kernels import has_bf16_dot
 from moe_serve.layers.routers import router_config
 from moe_serve.model_config import FFNConfig, LayerAttention
 from moe_serve.testing import create_random_artifact
@@ -58,10 +59,14 @@ CONFIGS = {
 }
 
 
+needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason="bf16 activations need AVX-512 BF16")
+
+
 def _run(
     path: Path, stack: bool, weights: str | None, policy: bool = False, activations: str = "fp32"
 ) -> tuple[list, dict, list]:
     llm = LLM(path, EngineConfig(cpu_decode_stack=stack, weights=weights, cpu_activations=activations))
+    assert llm.artifact.weights_label == (weights if activations == "fp32" else f"{weights}:{activations}")
     runner = llm.engine.runner
     assert (runner.decode_stack is not None) == stack
     used: list[int] = []
@@ -83,10 +88,12 @@ def _run(
     return tokens, runner.read_expert_load(), used
 
 
-# Every format on one config (int8 and int4 with int8 activations too), every config in fp32 and int4.
+# Every format on one config (int8 and int4 with int8 activations too, bf16 with bf16 ones where the CPU has
+# them), every config in fp32 and int4.
 CASES = (
     [("mixtral", w, "fp32") for w in (None, "bf16", "int8", "int4")]
     + [("mixtral", w, "int8") for w in ("int8", "int4")]
+    + [pytest.param("mixtral", "bf16", "bf16", marks=needs_bf16_dot)]
     + [(name, w, "fp32") for name in CONFIGS if name != "mixtral" for w in (None, "int4")]
 )
 

@@ -36,7 +36,7 @@ def random(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tenso
 def weight(n: int, k: int, fmt: WeightFormat, seed: int, tiled: bool = True) -> PackedWeight:
     """With int8 activations: in tiles of 8 rows (n a multiple of 8), or its rows as stored."""
     packed = quantize(random((n, k), seed, 0.1), fmt)
-    return packed.with_int8_activations() if tiled else dataclasses.replace(packed, int8_activations=True)
+    return packed.with_activations("int8") if tiled else dataclasses.replace(packed, activations="int8")
 
 
 # ---- the quantizer ------------------------------------------------------------------------------------
@@ -114,14 +114,14 @@ def test_the_kernel_equals_its_definition(
 @pytest.mark.parametrize("n", [5, 13, 1001])
 def test_rows_not_a_multiple_of_8_stay_as_stored(ext: ModuleType, fmt: WeightFormat, n: int) -> None:
     x, w = random((3, 64), n, 2.0), weight(n, 64, fmt, n)
-    assert w.int8_activations and not w.tiled
+    assert w.activations == "int8" and not w.tiled
     assert torch.equal(ops.linear(x, w), int8_linear_torch(x, w))
 
 
 @pytest.mark.parametrize("fmt", GROUPED, ids=str)
 def test_tiles_hold_the_weight_exactly(fmt: WeightFormat) -> None:
     """Repacked then dequantized: the weight as stored; views and fusions of tiles: the rows' own."""
-    stored = dataclasses.replace(quantize(random((3, 24, 96), 17), fmt), int8_activations=True)  # a bank [E, N, K]
+    stored = dataclasses.replace(quantize(random((3, 24, 96), 17), fmt), activations="int8")  # a bank [E, N, K]
     tiled = tile(stored)
     assert tiled.tiled and tiled.data.shape[-3:] == (3, 3, 256 if fmt is WeightFormat.INT8 else 128)
     assert torch.equal(untile(tiled).data, stored.data) and torch.equal(untile(tiled).scales, stored.scales)
@@ -148,7 +148,7 @@ def test_a_row_alone_equals_the_row_in_any_batch(ext: ModuleType, fmt: WeightFor
 def test_int8_activations_stay_near_the_fp32_activations(ext: ModuleType, fmt: WeightFormat) -> None:
     """The rounding of the activations, not a different product: relative error ~1/254 per block, averaging out."""
     x, w = random((16, 1024), 8), weight(512, 1024, fmt, 9)
-    exact = ops.linear(x, w.with_int8_activations(False))
+    exact = ops.linear(x, w.with_activations("fp32"))
     got = ops.linear(x, w)
     assert not torch.equal(got, exact)
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
@@ -157,13 +157,13 @@ def test_int8_activations_stay_near_the_fp32_activations(ext: ModuleType, fmt: W
 def test_only_int8_and_int4_weights_take_int8_activations(ext: ModuleType) -> None:
     x = random((2, 64), 10)
     bf16 = quantize(random((8, 64), 11), WeightFormat.BF16)
-    assert not bf16.with_int8_activations().int8_activations  # a format without integer kernels keeps fp32
-    with pytest.raises(PackError, match="only int8 and int4"):
-        PackedWeight(WeightFormat.BF16, bf16.data, None, bf16.shape, int8_activations=True)
-    with pytest.raises(RuntimeError, match="only int8 and int4 weights take int8 activations"):
+    assert bf16.with_activations("int8").activations == "fp32"  # a format without integer kernels keeps fp32
+    with pytest.raises(PackError, match="bf16 weights cannot take int8 activations"):
+        PackedWeight(WeightFormat.BF16, bf16.data, None, bf16.shape, activations="int8")
+    with pytest.raises(RuntimeError, match="int8 and int4 weights take int8 activations"):
         ext.linear_packed(x, bf16.data, None, "bf16/int8", None)
     w = weight(8, 64, WeightFormat.INT8, 12)
-    with pytest.raises(RuntimeError, match="only int8 and int4 weights take int8 activations"):
+    with pytest.raises(RuntimeError, match="bf16 weights bf16 ones"):
         ext.linear_packed(x, w.data, w.scales, "int8/bf16", None)
 
 
@@ -171,11 +171,11 @@ def test_only_int8_and_int4_weights_take_int8_activations(ext: ModuleType) -> No
 
 
 def bank(
-    fmt: WeightFormat, int8: bool, experts: int = 4, hidden: int = 64, inner: int = 96, tiled: bool = True
+    fmt: WeightFormat, activations: str, experts: int = 4, hidden: int = 64, inner: int = 96, tiled: bool = True
 ) -> ExpertWeights:
     def packed(shape: tuple[int, ...], seed: int) -> PackedWeight:
         weight = quantize(random(shape, seed, 0.2), fmt)
-        return weight.with_int8_activations(int8) if tiled else dataclasses.replace(weight, int8_activations=int8)
+        return weight.with_activations(activations) if tiled else dataclasses.replace(weight, activations=activations)
 
     return ExpertWeights(
         w1=packed((experts, inner, hidden), 20),
@@ -199,14 +199,14 @@ def test_the_experts_with_int8_activations_are_batch_invariant_at_mixed_k(
 ) -> None:
     """Tokens at k = 1 and k = 3 in one call: each token's output equals its output alone, bitwise, in either
     layout of the banks, and the two layouts give the same bits."""
-    experts = bank(fmt, int8=True, tiled=tiled)
+    experts = bank(fmt, "int8", tiled=tiled)
     x = random((9, 64), 13)
     ids, weights = routing(9, 3, 14)
     ids[::2, 1:] = -1  # every other token at k = 1
     weights[::2, 1:] = 0.0
     weights[::2, 0] = 1.0
     together = ops.moe_experts(x, ids, weights, experts)
-    assert torch.equal(together, ops.moe_experts(x, ids, weights, bank(fmt, int8=True, tiled=not tiled)))
+    assert torch.equal(together, ops.moe_experts(x, ids, weights, bank(fmt, "int8", tiled=not tiled)))
     for t in range(9):
         alone = ops.moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], experts)
         assert torch.equal(alone[0], together[t])
@@ -219,10 +219,10 @@ def test_the_experts_quantize_both_projections_inputs(ext: ModuleType, fmt: Weig
     within the epilogue's float tolerance."""
     x = random((5, 64), 15)
     ids, weights = routing(5, 2, 16)
-    got = ops.moe_experts(x, ids, weights, bank(fmt, int8=True))
-    exact = ops.moe_experts(x, ids, weights, bank(fmt, int8=False))
+    got = ops.moe_experts(x, ids, weights, bank(fmt, "int8"))
+    exact = ops.moe_experts(x, ids, weights, bank(fmt, "fp32"))
     assert not torch.equal(got, exact) and ((got - exact).norm() / exact.norm()).item() < 0.02
-    experts = bank(fmt, int8=True)
+    experts = bank(fmt, "int8")
     want = torch.zeros_like(x)
     for t in range(5):
         for j in range(2):

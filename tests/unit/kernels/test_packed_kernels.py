@@ -126,7 +126,8 @@ def test_the_build_is_the_isa_asked_for(ext: ModuleType) -> None:
 def test_the_avx2_build_passes_these_tests() -> None:
     """The AVX2 build, in a process of its own: Python keeps one extension module of a name per process (a
     second library of it loads as the first), so MOE_SERVE_KERNEL_ISA=avx2 runs this file again, and the int8
-    activations' (whose bits the definition fixes on either build)."""
+    activations' (whose bits the definition fixes on either build: vpdpbusd or vpmaddubsw), and the refusals
+    of the bf16 activations' file."""
     env = {**os.environ, "MOE_SERVE_KERNEL_ISA": "avx2"}
     env.pop("MOE_SERVE_KERNELS", None)
     int8 = str(Path(__file__).with_name("test_int8_activations.py"))
@@ -134,6 +135,11 @@ def test_the_avx2_build_passes_these_tests() -> None:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+    # Without AVX-512 BF16 the bf16 activations' kernels refuse by name (their bits need vdpbf16ps).
+    bf16 = str(Path(__file__).with_name("test_bf16_activations.py"))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", bf16, "-k", "refuse or only_bf16"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
 
 
 def _linear(ext: ModuleType, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
