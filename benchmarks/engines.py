@@ -30,12 +30,14 @@ from benchmarks.models import DEFAULT_CACHE
 Runner = Callable[[list[list[int]], int, int], object]
 
 
-def moe_serve_runner(model_dir: str, max_batch: int, backend: str = "torch", logprobs: bool = False) -> Runner:
+def moe_serve_runner(
+    model_dir: str, max_batch: int, backend: str = "torch", logprobs: bool = False, cpu_activations: str = "fp32"
+) -> Runner:
     """Returns each prompt's completion (moe_serve.outputs.CompletionOutput; logprobs: with each token's)."""
     from moe_serve import LLM, EngineConfig, SamplingParams
     from moe_serve.exporters.onnx.cache import load_servable
 
-    config = EngineConfig(max_num_seqs=max_batch, backend=backend)
+    config = EngineConfig(max_num_seqs=max_batch, backend=backend, cpu_activations=cpu_activations)
     llm = LLM(load_servable(model_dir, config), config)  # onnxruntime: the artifact's cached export
 
     def run(prompts: list[list[int]], k: int, new_tokens: int) -> list:
@@ -195,7 +197,7 @@ def measure_decode(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    engines = ["moe-serve", "moe-serve-onnx", "hf", "vllm", "vllm-eager", "vllm-plugin", "llama.cpp"]
+    engines = ["moe-serve", "moe-serve-auto", "moe-serve-onnx", "hf", "vllm", "vllm-eager", "vllm-plugin", "llama.cpp"]
     parser.add_argument("engine", choices=engines)
     parser.add_argument("model_dir")
     parser.add_argument("--batches", default="1,16,64")
@@ -210,12 +212,14 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    if args.engine in ("moe-serve", "moe-serve-onnx", "hf"):
+    if args.engine in ("moe-serve", "moe-serve-auto", "moe-serve-onnx", "hf"):
         import torch
 
         torch.set_num_threads(args.threads)
     if args.engine == "moe-serve":
         run = moe_serve_runner(args.model_dir, max(batches))
+    elif args.engine == "moe-serve-auto":  # --cpu-activations auto: the packed formats' own activation precision
+        run = moe_serve_runner(args.model_dir, max(batches), cpu_activations="auto")
     elif args.engine == "moe-serve-onnx":  # onnxruntime uses every core by default, as here
         run = moe_serve_runner(args.model_dir, max(batches), backend="onnxruntime")
     elif args.engine == "hf":

@@ -61,7 +61,10 @@ FORMATS = {
         FormatPair("int4", "q4_0"),
     )
 }
-QUANTIZED_ENGINES = ("moe-serve", "llama.cpp")  # the engines that run every format; the rest run fp32 only
+# The engines that run every format; the rest run fp32 only. moe-serve-auto is moe-serve with --cpu-activations
+# auto (each packed format's own activation precision), run in the packed formats only (fp32 weights: the same).
+QUANTIZED_ENGINES = ("moe-serve", "moe-serve-auto", "llama.cpp")
+OURS = ("moe-serve", "moe-serve-auto")
 
 
 class Unavailable(Exception):
@@ -220,7 +223,11 @@ def format_cells(
     cells: dict = {}
     for name, model in models.items():
         for weights in formats:
-            chosen = {e: e for e in engines if weights == "fp32" or e in QUANTIZED_ENGINES}
+            chosen = {
+                e: e
+                for e in engines
+                if (weights == "fp32" and e != "moe-serve-auto") or (weights != "fp32" and e in QUANTIZED_ENGINES)
+            }
             for k in model.ks(ks):
                 cell = rounds(model, chosen, k, args, weights)
                 cells.setdefault(name, {}).setdefault(weights, {})[str(k)] = cell
@@ -343,14 +350,19 @@ def write_results(report: dict, text: str, out: Path) -> None:
 
 def formats_table(name: str, formats: dict) -> list[str]:
     """Markdown: a row per format, k and batch (`format_cells`): each engine's median tok/s with the load
-    averages of its repetitions, and moe-serve's ratios to llama.cpp and to the best other engine; then why an
-    engine has no figure."""
+    averages of its repetitions, and moe-serve's ratios to llama.cpp (moe-serve-auto's too, where it ran) and to
+    the best other engine; then why an engine has no figure."""
     engines = list(dict.fromkeys(e for ks in formats.values() for cells in ks.values() for e in cells))
+    auto = "moe-serve-auto" in engines
     lines = [
         f"### {name} (tok/s, median of the reps [1-minute load average when each rep's worker ended])",
         "",
-        "| format | k | batch | " + " | ".join(engines) + " | moe-serve / llama.cpp | moe-serve / best peer |",
-        "|---|---|---|" + "---|" * (len(engines) + 2),
+        "| format | k | batch | "
+        + " | ".join(engines)
+        + " | moe-serve / llama.cpp | "
+        + ("moe-serve-auto / llama.cpp | " if auto else "")
+        + "moe-serve / best peer |",
+        "|---|---|---|" + "---|" * (len(engines) + 2 + auto),
     ]
     reasons = []
     for weights, ks in formats.items():
@@ -359,11 +371,12 @@ def formats_table(name: str, formats: dict) -> list[str]:
             reasons += [f"- {weights}, k={k}, {e}: {c}" for e, c in cells.items() if isinstance(c, str)]
             for batch in next((list(c) for c in measured.values()), []):
                 figures = " | ".join(figure(measured.get(e, {}).get(batch)) for e in engines)
-                peers = [e for e in measured if e != "moe-serve"]
+                peers = [e for e in measured if e not in OURS]
                 best = max(peers, key=lambda e: measured[e][batch]["median"], default=None)
+                auto_ratio = f"{ratio(measured, 'llama.cpp', batch, ours='moe-serve-auto')} | " if auto else ""
                 lines.append(
                     f"| {weights} | {k} | {batch} | {figures} | {ratio(measured, 'llama.cpp', batch)} | "
-                    f"{ratio(measured, best, batch, named=True)} |"
+                    f"{auto_ratio}{ratio(measured, best, batch, named=True)} |"
                 )
     return [*lines, "", *reasons, *([""] if reasons else [])]
 
@@ -374,13 +387,11 @@ def figure(cell: dict | None) -> str:
     return f"{cell['median']:,.0f} [" + ", ".join(f"{load:.1f}" for load in cell["load_average"]) + "]"
 
 
-def ratio(cells: dict[str, dict], other: str | None, batch: str, named: bool = False) -> str:
-    """moe-serve's median over the other engine's (named: the other's name after it)."""
-    if "moe-serve" not in cells or other not in cells:
+def ratio(cells: dict[str, dict], other: str | None, batch: str, named: bool = False, ours: str = "moe-serve") -> str:
+    """`ours`'s median over the other engine's (named: the other's name after it)."""
+    if ours not in cells or other not in cells:
         return "-"
-    return f"{cells['moe-serve'][batch]['median'] / cells[other][batch]['median']:.2f}x" + (
-        f" ({other})" if named else ""
-    )
+    return f"{cells[ours][batch]['median'] / cells[other][batch]['median']:.2f}x" + (f" ({other})" if named else "")
 
 
 def markdown(report: dict) -> str:

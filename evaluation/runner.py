@@ -3,6 +3,8 @@ classifiers, one QualityRow per (k, metric), and per (adaptive policy, metric) a
 
 from __future__ import annotations
 
+import logging
+
 from tqdm.auto import tqdm
 
 from moe_serve.errors import ValidationError
@@ -11,6 +13,8 @@ from moe_serve.llm import LLM
 from moe_serve.moe_policy import MoEPolicy
 from moe_serve.outputs import ExpertCounts
 from moe_serve.quality import QualityRow
+
+logger = logging.getLogger(__name__)
 
 DATASETS = ("shakespeare",)
 LM_WINDOW = 512  # characters per scored window (the first token of each window has no context)
@@ -90,18 +94,33 @@ def weight_divergence(
 ) -> list[QualityRow]:
     """For a language model: each packed model's mean KL divergence (nats per token) of its next-token
     distributions from the reference's (the float weights, or for `kl_from_fp32_activations` its format's with
-    fp32 activations) on the dataset's texts, at each k."""
-    from moe_serve.evaluation.divergence import kl_from_reference
+    fp32 activations) on the dataset's texts, at each k; and its routers' top-k set agreement with the
+    reference's (`topk_agreement_with_float` or `_with_fp32_activations`: the mean over MoE layers; `..._worst_layer`:
+    the lowest layer's)."""
+    from moe_serve.evaluation.divergence import divergence_from_reference
 
     if reference.config.task != "causal_lm":
         return []
     items = dataset_inputs(dataset, "causal_lm", max_items, reference.inputs.max_model_len)
     token_ids = [reference.inputs.check_score_input(reference.inputs.encode_text(text, "input")) for text, _ in items]
     model = _torch_model(reference)
+    agreement = metric.replace("kl_from_", "topk_agreement_with_")
     rows = []
     for k in ks:
-        kl = kl_from_reference(model, {fmt: _torch_model(llm) for fmt, llm in packed.items()}, token_ids, k)
-        rows += [QualityRow(dataset, k, metric, value, reference.artifact.name, None, fmt) for fmt, value in kl.items()]
+        found = divergence_from_reference(model, {fmt: _torch_model(llm) for fmt, llm in packed.items()}, token_ids, k)
+        for fmt, d in found.items():
+            values = {metric: d.kl}
+            if d.topk_agreement:
+                values |= {agreement: sum(d.topk_agreement) / len(d.topk_agreement)}
+                values |= {f"{agreement}_worst_layer": min(d.topk_agreement)}
+                logger.info(
+                    "%s %s k=%d: top-k agreement per MoE layer %s",
+                    reference.artifact.name,
+                    fmt,
+                    k,
+                    " ".join(f"{a:.4f}" for a in d.topk_agreement),
+                )
+            rows += [QualityRow(dataset, k, m, v, reference.artifact.name, None, fmt) for m, v in values.items()]
     return rows
 
 

@@ -201,7 +201,7 @@ def test_eval_compares_weight_formats_with_kl_from_the_floats(run, tmp_path) -> 
     refused = run(*args, "--compare-weights", "int3", check=False)
     assert refused.returncode == 2 and "--compare-weights takes bf16, int8, int4" in refused.stderr
     assert "got 'int3'" in refused.stderr
-    for entry in ("bf16:int8", "int8:int4"):  # no bf16 kernels of int8 activations; no int4 activations
+    for entry in ("int8:bf16", "int8:int4"):  # no bf16 activations for int8 weights; no int4 activations
         refused = run(*args, "--compare-weights", entry, check=False)
         assert refused.returncode == 2 and f"got {entry!r}" in refused.stderr
 
@@ -217,6 +217,9 @@ def test_eval_compares_int8_activations_with_the_formats_fp32_ones(run, tmp_path
         assert abs(rows[("int8:int8", k, "bits_per_byte")] - rows[(None, k, "bits_per_byte")]) < 0.01
         assert 0 < rows[("int8:int8", k, "kl_from_fp32_activations")] < 0.01
         assert 0 < rows[("int8:int8", k, "kl_from_float")] < 0.01
+        assert 0.9 < rows[("int8:int8", k, "topk_agreement_with_fp32_activations")] <= 1.0
+        worst = rows[("int8:int8", k, "topk_agreement_with_fp32_activations_worst_layer")]
+        assert 0.8 < worst <= rows[("int8:int8", k, "topk_agreement_with_fp32_activations")]
         assert ("int4", k, "bits_per_byte") in rows  # int4:fp32 is int4
     stored = json.loads((tmp_path / "shakespeare-smoe" / "quality.json").read_text())
     assert any(r.get("weights") == "int8:int8" for r in stored["results"])

@@ -11,20 +11,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from moe_serve.kernels import cpu_extension, ops
+from moe_serve.kernels import ops
 from moe_serve.kernels.packed import PackedWeight, PackError, WeightFormat, quantize
 from moe_serve.kernels.reference import bf16_linear_torch
 from moe_serve.kernels.vocabulary import ExpertWeights, kernel_format
 
 pytestmark = pytest.mark.cpu_kernels
-
-
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    native = cpu_extension()
-    if native is None:
-        pytest.skip("the CPU kernels are not built here")
-    return native
 
 
 @pytest.fixture(scope="module")

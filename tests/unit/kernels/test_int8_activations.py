@@ -13,20 +13,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from moe_serve.kernels import cpu_extension, ops
+from moe_serve.kernels import ops
 from moe_serve.kernels.packed import GROUP_SIZE, PackedWeight, PackError, WeightFormat, quantize, tile, untile
 from moe_serve.kernels.reference import int8_linear_torch, quantize_activations_torch
 from moe_serve.kernels.vocabulary import ExpertWeights, kernel_format
 
 GROUPED = (WeightFormat.INT8, WeightFormat.INT4)
-
-
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    native = cpu_extension()
-    if native is None:
-        pytest.skip("the CPU kernels are not built here")
-    return native
 
 
 def random(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
