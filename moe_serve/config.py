@@ -38,7 +38,7 @@ class EngineConfig:
         "the lowest precision the CPU kernels may round a packed weight's input to: fp32 (exact); bf16: bf16 weights "
         "read bf16 activations (vdpbf16ps, on CPUs with AVX-512 BF16; else fp32); int8: as bf16, and int8 and int4 "
         "weights read int8 activations (blocks of 32, an fp32 scale each, integer dot products); auto: as int8 but "
-        "attention's projections of int8 and int4 weights, which keep fp32 (docs/weight-formats.md)",
+        "attention's projections, which keep fp32 (docs/weight-formats.md)",
         choices=CPU_ACTIVATIONS,
     )
     cuda_graphs: bool = option(

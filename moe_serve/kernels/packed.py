@@ -48,8 +48,8 @@ PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights a
 # --cpu-activations: the lowest precision the CPU kernels may round a weight's input to (ONNX Runtime's
 # accuracy_level). fp32: the exact mode. bf16: bf16 weights read bf16 activations (kernels/csrc/bf16_dot.h,
 # where the CPU has AVX-512 BF16), the other formats fp32. int8: as bf16, and int8 and int4 weights read int8
-# activations (int_dot.h). auto: as int8 but for the layer group that moved quality most
-# (moe_serve.weights.activations_for).
+# activations (int_dot.h). auto: as int8 but for the layer group that moved quality most, attention's
+# projections, which keep fp32 (moe_serve.weights.activations_for).
 CPU_ACTIVATIONS = ("fp32", "bf16", "int8", "auto")
 # What a packed weight's input can be rounded to (PackedWeight.activations): the formats with kernels for it.
 ACTIVATION_FORMATS = {"fp32": ("bf16", "int8", "int4"), "int8": ("int8", "int4"), "bf16": ("bf16",)}

@@ -56,7 +56,6 @@ BF16 = "bf16" if has_bf16_dot() else "fp32"  # what bf16 weights read where a mo
         ("int8", "fp32", "fp32"),
         ("bf16", "int8", BF16),
         ("bf16", "bf16", BF16),
-        ("bf16", "auto", BF16),
         ("bf16", "fp32", "fp32"),
     ],
 )
@@ -67,14 +66,14 @@ def test_the_mode_reaches_the_weights_it_names(artifact: Path, weights: str, mod
     assert llm.artifact.weights_label == (f"{weights}:{mode}" if reads != "fp32" else weights)
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_auto_keeps_attention_in_fp32_activations(artifact: Path, weights: str) -> None:
+@pytest.mark.parametrize("weights, reads", [("int8", "int8"), ("int4", "int8"), ("bf16", BF16)])
+def test_auto_keeps_attention_in_fp32_activations(artifact: Path, weights: str, reads: str) -> None:
     llm = LLM(artifact, EngineConfig(weights=weights, cpu_activations="auto"))
     found = packed_weights(llm)
     attention = {name: w for name, w in found.items() if ".attn." in name}
     assert attention and all(w.activations == "fp32" for w in attention.values())
-    assert all(w.activations == "int8" for name, w in found.items() if name not in attention)
-    assert llm.artifact.weights_label == f"{weights}:auto"
+    assert all(w.activations == reads for name, w in found.items() if name not in attention)
+    assert llm.artifact.weights_label == (f"{weights}:auto" if reads != "fp32" else weights)
 
 
 def test_an_unknown_mode_is_refused_by_name() -> None:
