@@ -280,7 +280,8 @@ def load_artifact(
         packed = {name: quantize(tensors.pop(name), packing, name) for name in spec.packed}
     activations = "fp32"
     if spec is not None:
-        bf16_dot = mode_reads(spec.format, cpu_activations) == "bf16" and has_bf16_dot()
+        wants_bf16 = mode_reads(spec.format, cpu_activations) == "bf16"
+        bf16_dot = wants_bf16 and has_bf16_dot()
         packed = {
             name: w.with_activations(activations_for(name, spec.format, cpu_activations, bf16_dot))
             for name, w in packed.items()
@@ -297,7 +298,7 @@ def load_artifact(
             )
         if rounded:
             activations = cpu_activations
-        elif mode_reads(spec.format, cpu_activations) == "bf16":
+        elif wants_bf16:
             logger.warning(
                 "--cpu-activations %s: this CPU has no bf16 dot products (AVX-512 BF16), so the bf16 weights "
                 "keep fp32 activations",

@@ -50,7 +50,9 @@ PACKED_FORMAT_NAMES = tuple(f.value for f in PACKED_FORMATS)  # what --weights a
 # where the CPU has AVX-512 BF16), the other formats fp32. int8: as bf16, and int8 and int4 weights read int8
 # activations (int_dot.h). auto: as int8 but for the layer group that moved quality most, attention's
 # projections, which keep fp32 (moe_serve.weights.activations_for).
-CPU_ACTIVATIONS = ("fp32", "bf16", "int8", "auto")
+# Each mode's allowed roundings, lowest first (mode_reads takes the first a format has kernels for).
+MODE_ROUNDINGS = {"fp32": (), "bf16": ("bf16",), "int8": ("int8", "bf16"), "auto": ("int8", "bf16")}
+CPU_ACTIVATIONS = tuple(MODE_ROUNDINGS)
 # What a packed weight's input can be rounded to (PackedWeight.activations): the formats with kernels for it.
 ACTIVATION_FORMATS = {"fp32": ("bf16", "int8", "int4"), "int8": ("int8", "int4"), "bf16": ("bf16",)}
 BF16_CHUNK = 32  # values of K a bf16 dot product takes at a time (bf16_dot.h): K must be a multiple
@@ -60,7 +62,7 @@ def mode_reads(fmt: WeightFormat, mode: str) -> str:
     """What weights of `fmt` read under --cpu-activations `mode` where nothing else decides (the layer-group
     rule of `auto` and the CPU's instructions: weights.activations_for): the lowest precision `mode` allows
     that `fmt` has kernels for."""
-    for kind in {"fp32": (), "bf16": ("bf16",), "int8": ("int8", "bf16"), "auto": ("int8", "bf16")}[mode]:
+    for kind in MODE_ROUNDINGS[mode]:
         if fmt.value in ACTIVATION_FORMATS[kind]:
             return kind
     return "fp32"
@@ -125,10 +127,12 @@ class PackedWeight:
         """This weight read with `activations` (fp32, int8 or bf16) where its format has kernels for them, else
         with fp32 ones: int8 tiled (`tile`: a copy, after which this one can be freed) where its rows are a
         multiple of 8; bf16 where K is a multiple of BF16_CHUNK."""
+        if activations not in ACTIVATION_FORMATS:
+            raise PackError(f"unknown activations {activations!r}: {', '.join(ACTIVATION_FORMATS)}")
         if activations == self.activations:
             return self
         base = dataclasses.replace(untile(self), activations="fp32")
-        if activations == "fp32" or self.format.value not in ACTIVATION_FORMATS.get(activations, ()):
+        if activations == "fp32" or self.format.value not in ACTIVATION_FORMATS[activations]:
             return base
         if activations == "bf16":
             return dataclasses.replace(base, activations="bf16") if self.shape[-1] % BF16_CHUNK == 0 else base

@@ -138,9 +138,7 @@ at::Tensor bf16_linear_operand(const at::Tensor& x, const Operand& w, const c10:
   Dense<bf16> view = moe_serve::view<Dense<bf16>>(w);
   auto body = [&](int64_t n0, int64_t n1) {
     bf16_dot_rows(rows, M, view, K, n0, n1, yp, N);
-    if (bp != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += bp[n];
+    add_bias(yp, bp, M, N, n0, n1);
   };
   int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if (small_work(M * N * K / 4)) body(0, N);

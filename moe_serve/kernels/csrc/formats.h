@@ -212,4 +212,11 @@ inline at::Tensor check_bias(const std::string& what, const c10::optional<at::Te
 
 inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+// y[m, n] += bias[n] for columns [n0, n1) of M rows N apart (a bias is added after the products, one rounding).
+inline void add_bias(float* y, const float* bias, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  if (bias == nullptr) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+}
+
 }  // namespace moe_serve

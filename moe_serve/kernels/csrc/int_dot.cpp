@@ -346,9 +346,7 @@ at::Tensor int8_linear_operand(const at::Tensor& x, const Operand& w, const c10:
     auto body = [&](int64_t b0, int64_t b1) {  // blocks of 8 rows: a tile each
       int64_t n0 = b0 * TILE_ROWS, n1 = std::min(N, b1 * TILE_ROWS);
       int_dot_rows(rows, M, view, n0, n1, yp, N);
-      if (bp != nullptr)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += bp[n];
+      add_bias(yp, bp, M, N, n0, n1);
     };
     int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
     int64_t threads = std::max<int64_t>(1, at::get_num_threads());

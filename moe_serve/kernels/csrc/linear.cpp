@@ -36,9 +36,7 @@ void linear_impl(const float* x_in, int64_t M, int64_t K, const W& w, const floa
   }
   auto body = [&](int64_t n0, int64_t n1) {
     dot_rows(x, ldx, M, w, K, n0, n1, y, N);
-    if (bias != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+    add_bias(y, bias, M, N, n0, n1);
   };
   if (small_work(M * N * K)) body(0, N);
   else at::parallel_for(0, N, row_grain(N), body);
