@@ -51,6 +51,12 @@ def _needs_cpu_kernels() -> str | None:
     return None if cpu_extension() is not None else "needs the C++ CPU kernels, which are not built on this machine"
 
 
+def _needs_bf16_dot() -> str | None:
+    from moe_serve.kernels import has_bf16_dot
+
+    return None if has_bf16_dot() else "needs bf16 dot products in the CPU kernels: a CPU with AVX-512 BF16"
+
+
 def _importable(module: str) -> bool:
     try:
         importlib.import_module(module)
@@ -76,6 +82,7 @@ ENVIRONMENTS: dict[str, Callable[[], str | None]] = {
     "gpu": _needs_cuda,
     "triton_interp": _needs_triton_interpreter,
     "cpu_kernels": _needs_cpu_kernels,
+    "bf16_dot": _needs_bf16_dot,
     "vllm_cpu": _needs_vllm_cpu,
     "vllm_gpu": _needs_vllm_gpu,
 }

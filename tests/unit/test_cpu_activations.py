@@ -87,8 +87,7 @@ def _generate(llm: LLM, ks: list[int]) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason="bf16 activations need AVX-512 BF16")
-ROUNDED = ["int8", "int4", pytest.param("bf16", marks=needs_bf16_dot)]  # the formats with rounded activations
+ROUNDED = ["int8", "int4", pytest.param("bf16", marks=pytest.mark.bf16_dot)]  # the formats with rounded activations
 
 
 @pytest.mark.parametrize("weights", ROUNDED)

@@ -13,7 +13,6 @@ import torch
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.engine.decode_stack import unsupported_reason
 from moe_serve.engine.kv_cache import KVCache, cache_shape
-from moe_serve.kernels import has_bf16_dot
 from moe_serve.layers.routers import router_config
 from moe_serve.model_config import FFNConfig, LayerAttention
 from moe_serve.testing import create_random_artifact
@@ -59,9 +58,6 @@ CONFIGS = {
 }
 
 
-needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason="bf16 activations need AVX-512 BF16")
-
-
 def _run(
     path: Path, stack: bool, weights: str | None, policy: bool = False, activations: str = "fp32"
 ) -> tuple[list, dict, list]:
@@ -93,7 +89,7 @@ def _run(
 CASES = (
     [("mixtral", w, "fp32") for w in (None, "bf16", "int8", "int4")]
     + [("mixtral", w, "int8") for w in ("int8", "int4")]
-    + [pytest.param("mixtral", "bf16", "bf16", marks=needs_bf16_dot)]
+    + [pytest.param("mixtral", "bf16", "bf16", marks=pytest.mark.bf16_dot)]
     + [(name, w, "fp32") for name in CONFIGS if name != "mixtral" for w in (None, "int4")]
 )
 
