@@ -5,10 +5,11 @@ building, sampling, detokenizing. Then the same steps run with every C++ kernel 
 (python_floor): what a step costs besides the kernels.
 
     python -m benchmarks.profile_step MODEL_DIR [--batch 64] [--k 2] [--steps 16] [--threads 2] [--weights int4]
+        [--cpu-activations auto]
 
 The profile runs the Python layers (the kernel calls are theirs); then the same steps run with the C++ decode
-stack (moe_serve.engine.decode_stack), which calls the same kernels from C++: its step time less the kernels'
-time is the host time left.
+stack (moe_serve.engine.decode_stack), which calls the same kernels from C++ (layers, final norm and LM head)
+and times each part itself (DecodeStack.set_timing): its step time less those parts is the host time left.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from moe_serve import LLM, EngineConfig, SamplingParams
 from moe_serve.kernels import cpu_extension, ops
+from moe_serve.kernels.packed import CPU_ACTIVATIONS
 
 TIMED = ("linear", "moe_experts", "attention", "rotary_write", "rms_norm", "topk_route")
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--weights", default=None, help="pack the weights at load: bf16, int8, int4")
+    parser.add_argument("--cpu-activations", default="fp32", choices=CPU_ACTIVATIONS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,16 +90,43 @@ def main() -> None:
     floor = python_floor(llm, args.steps)
     print(f"with every C++ kernel call answered from a cache (the Python and torch glue): {floor * 1e3:.2f} ms")
     del llm
-    stacked = time_steps(decoding(args, decode_stack=True), args.steps)
-    print(
-        f"with the C++ decode stack: {stacked * 1e3:.2f} ms per decode step; host time (step less the kernels' "
-        f"{kernels * 1e3:.2f} ms) {(total - kernels) * 1e3:.2f} ms -> {(stacked - kernels) * 1e3:.2f} ms"
-    )
+    llm = decoding(args, decode_stack=True)
+    stack = llm.engine.runner.decode_stack
+    if stack is None:
+        print("the C++ decode stack does not run this model (see the log)")
+        return
+    calls = [0.0]  # seconds inside the stack's calls
+    logits = stack.logits
+
+    def timed_logits(*args):  # noqa: ANN002, ANN202
+        start = time.perf_counter()
+        result = logits(*args)
+        calls[0] += time.perf_counter() - start
+        return result
+
+    stack.logits = timed_logits  # type: ignore[method-assign]
+    stack.set_timing(True)
+    stack.timings()  # the sums start here
+    stacked = time_steps(llm, args.steps)
+    parts = {part: seconds / args.steps for part, seconds in stack.timings().items()}
+    inside, call = sum(parts.values()), calls[0] / args.steps
+    parts["the stack's glue between kernels (residual adds, splits, the pybind call)"] = call - inside
+    parts["host (scheduling, batch building, embedding, sampling, detokenizing)"] = stacked - call
+    print(f"\nwith the C++ decode stack (its own timers): {stacked * 1e3:.2f} ms per decode step")
+    print("| part | ms per step | share |\n|---|---|---|")
+    for label, seconds in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"| {label} | {seconds * 1e3:.2f} | {seconds / stacked:.0%} |")
+    print(f"host time: {(total - kernels) * 1e3:.2f} ms with the Python layers -> {(stacked - call) * 1e3:.2f} ms")
 
 
 def decoding(args: argparse.Namespace, decode_stack: bool) -> LLM:
     """An engine with `args.batch` sequences past their prompts: every later step decodes only."""
-    config = EngineConfig(max_num_seqs=args.batch, weights=args.weights, cpu_decode_stack=decode_stack)
+    config = EngineConfig(
+        max_num_seqs=args.batch,
+        weights=args.weights,
+        cpu_activations=getattr(args, "cpu_activations", "fp32"),
+        cpu_decode_stack=decode_stack,
+    )
     llm = LLM(args.model_dir, config)
     params = SamplingParams(max_tokens=4 * args.steps + 8, temperature=0, ignore_eos=True, experts_per_token=args.k)
     rng = random.Random(0)

@@ -137,6 +137,15 @@ class DecodeStack:
                 k_cache,
                 v_cache,
             )
+        config = model.config
+        head_weight, head_bias = model.lm_head_weights()
+        self._stack.set_head(
+            model.norm.weight if config.final_norm else None,
+            model.norm.eps if config.final_norm else 0.0,
+            *_operand(head_weight),
+            head_bias,
+            config.logits_divisor,
+        )
         self._loads = [layer.moe for layer in model.decoder_layers]
         self.track_expert_load()
 
@@ -158,11 +167,19 @@ class DecodeStack:
         )
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layers: h [T, D] after the embeddings -> after the last layer (before the final norm)."""
+        return self._stack.run(h, *self._step_inputs(batch))
+
+    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layers, the final norm and the LM head (divided by the logits' divisor): h [T, D] after the
+        embeddings -> every row's logits [T, V] fp32, what MoETransformer.lm_logits gives for them."""
+        return self._stack.run_logits(h, *self._step_inputs(batch))
+
+    def _step_inputs(self, batch: ForwardBatch) -> tuple:
         attention = batch.attention
         assert isinstance(attention, AttentionBatch)
         cos, sin = self._rotary if self._rotary is not None else (None, None)
-        return self._stack.run(
-            h,
+        return (
             cos,
             sin,
             attention.positions,
@@ -173,6 +190,14 @@ class DecodeStack:
             batch.token_k,
             batch.max_k,
         )
+
+    def set_timing(self, enabled: bool) -> None:
+        """Time each part of the stacked steps from now on (read with `timings`), or stop."""
+        self._stack.set_timing(enabled)
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per part (norms, projections, attention, router, experts, LM head ...) since the last read."""
+        return dict(self._stack.timings())
 
 
 def _operand(weight: Any) -> tuple[str | None, torch.Tensor, torch.Tensor | None]:

@@ -28,6 +28,7 @@ from moe_serve.engine.scheduler import Scheduler, SchedulerConfig
 from moe_serve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from moe_serve.engine.sequence import Sequence, SequenceKind, SequenceStatus, WorkGroup
 from moe_serve.errors import NonFiniteError, ValidationError
+from moe_serve.kernels import ops
 from moe_serve.moe_policy import KSpec
 from moe_serve.sampling_params import SamplingParams
 
@@ -250,17 +251,16 @@ class LLMEngine:
         self.scheduler.update(output, failed=[item.seq for item, _ in failed])
         changed = [self._fail(item.seq, exc) for item, exc in failed]
         samples = [output.scheduled[i].seq for i in result.sample_items]
-        logits = result.logits
+        logits, greedy = result.logits, None
         if logits is not None and samples:
-            # A row's sum is finite only if every value is: one read of the logits, one value a row written.
-            finite = torch.isfinite(logits.sum(dim=-1))
+            greedy, finite = ops.greedy_rows(logits)  # one read of the logits: argmax and finiteness
             if not bool(finite.all()):
                 for seq, ok in zip(samples, finite.tolist(), strict=True):
                     if not ok:
                         changed.append(self._fail(seq, self._non_finite("logits")))
                 samples = [seq for seq, ok in zip(samples, finite.tolist(), strict=True) if ok]
-                logits = logits[finite]
-        sampled = sample(logits, samples, self.eos_token_ids)
+                logits, greedy = logits[finite], greedy[finite]
+        sampled = sample(logits, samples, self.eos_token_ids, greedy)
         now = time.monotonic()
         for row, seq in enumerate(samples):
             error = sampled.errors.get(row)

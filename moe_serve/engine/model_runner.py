@@ -7,7 +7,6 @@ Legend: T tokens of the step, S sequences, R rows that need logits, V vocabulary
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -50,15 +49,43 @@ class TorchRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         if self.decode_graphs is not None and self.decode_graphs.accepts(output):
             return self.decode_graphs.execute(output)
-        hidden, lens, batch = self.forward(output)
-        result = self._results(output, hidden, lens)
+        input_ids, lens, batch = self._inputs(output)
+        if self._stack_samples(output, batch):
+            result = self._stacked_results(output, input_ids, batch)
+        else:
+            result = self._results(output, self._forward(input_ids, batch), lens)
         result.experts = self._experts(output, batch)
         return result
 
-    @torch.inference_mode()
     def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...], ForwardBatch]:
         """The step's tokens through the model: hidden states [T, D], the tokens of each sequence, and the
         batch the layers read (under a top-p policy, with the experts they counted)."""
+        input_ids, lens, batch = self._inputs(output)
+        return self._forward(input_ids, batch), lens, batch
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
+
+    def _stack_samples(self, output: SchedulerOutput, batch: ForwardBatch) -> bool:
+        """Whether the decode stack runs the step through to the logits: it takes the step and every row
+        samples a next token (a generation's decode, or the last token of its prompt)."""
+        return (
+            self.decode_stack is not None
+            and self.decode_stack.accepts(batch)
+            and all(item.seq.kind is SequenceKind.GENERATE and item.completes_prompt for item in output.scheduled)
+        )
+
+    @torch.inference_mode()
+    def _stacked_results(self, output: SchedulerOutput, input_ids: torch.Tensor, batch: ForwardBatch) -> StepResult:
+        """The decode stack's step: layers, final norm and LM head in one call, every row a sampled item's
+        (one token each: the rows are the items). Its logits are bitwise _results' for the same step."""
+        assert self.decode_stack is not None
+        logits = self.decode_stack.logits(self.model.inputs(input_ids, batch), batch)
+        return StepResult(sample_items=list(range(len(output.scheduled))), logits=logits)
+
+    def _inputs(self, output: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...], ForwardBatch]:
+        """The step's token ids [T], the tokens of each sequence, and the batch the layers read."""
         items = output.scheduled
         uses_cache = items[0].seq.uses_kv_cache
         assert all(item.seq.uses_kv_cache == uses_cache for item in items), (
@@ -82,7 +109,7 @@ class TorchRunner:
         num_keys = tuple(item.end if uses_cache else item.num_tokens for item in items)
         tables = [[item.seq.block_tables[g] for item in items] for g in range(num_groups)] if uses_cache else None
         batch = self._batch(positions, seq_ids, [item.k_spec for item in items], lens, num_keys, tables, slots)
-        return self.model(torch.tensor(token_ids, device=self.device), batch), lens, batch  # [T, D]
+        return torch.tensor(token_ids, device=self.device), lens, batch
 
     def _batch(
         self,
@@ -101,24 +128,23 @@ class TorchRunner:
         for n in lens:
             starts.append(offset)
             offset += n
-        attention = AttentionBatch(
-            seq_ids=torch.tensor(seq_ids, device=device),
-            positions=torch.tensor(positions, device=device),
-            num_keys=torch.tensor(num_keys, device=device),
-            seq_starts=torch.tensor(starts, device=device),
-            seq_lens=lens,
-            num_keys_host=num_keys,
-        )
+        one_each = offset == len(lens)  # a decode step: one token per sequence
+        seq_id_rows = torch.tensor(seq_ids, device=device)
+        position_rows = torch.tensor(positions, device=device)
+        key_counts = torch.tensor(num_keys, device=device)
+        start_rows = seq_id_rows if one_each else torch.tensor(starts, device=device)  # one each: 0..S-1 both
+
+        def attention_batch(tables: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> AttentionBatch:
+            return AttentionBatch(seq_id_rows, position_rows, key_counts, start_rows, lens, num_keys, tables, rows)
+
+        attention = attention_batch()
         groups: tuple[AttentionBatch, ...] = ()
         if block_tables is not None:
             width = max(len(t) for t in block_tables[0])  # every group's tables are as long as the first's
             groups = tuple(
-                dataclasses.replace(
-                    attention,
-                    block_tables=torch.tensor(
-                        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-                    ),
-                    slot_mapping=torch.tensor(rows, device=device),
+                attention_batch(
+                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+                    torch.tensor(rows, device=device),
                 )
                 for tables, rows in zip(block_tables, slots, strict=True)
             )
@@ -127,11 +153,14 @@ class TorchRunner:
         latent = self.cache.latent if (self.cache is not None and block_tables is not None) else None
         states = self.cache.router_states if (caches is not None and self.cache is not None) else None
         block_size = self.cache.shape.block_size if self.cache is not None else 0
-        per_token = torch.tensor(lens, device=device)
 
         def tokens(values: list, dtype: torch.dtype) -> torch.Tensor:
+            """One value per sequence -> one per token."""
+            per_sequence = torch.tensor(values, dtype=dtype, device=device)
+            if one_each:
+                return per_sequence
             # output_size: no device-to-host read to size the result
-            return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(per_token, output_size=offset)
+            return per_sequence.repeat_interleave(torch.tensor(lens, device=device), output_size=offset)
 
         adaptive = None
         if any(spec.adaptive for spec in specs):

@@ -34,15 +34,23 @@ class Sampled:
     errors: dict[int, BaseException] = field(default_factory=dict)
 
 
-def sample(logits: torch.Tensor | None, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> Sampled:
+def sample(
+    logits: torch.Tensor | None,
+    seqs: list[Sequence],
+    eos_token_ids: Collection[int] = (),
+    greedy: torch.Tensor | None = None,
+) -> Sampled:
     """logits [R, V] fp32 -> one token per row (and its log-probability where asked for). No rows (a step
-    that only prefills, scores or classifies: logits None): an empty result."""
+    that only prefills, scores or classifies: logits None): an empty result. `greedy`: each row's argmax of
+    these logits where the caller has it (ops.greedy_rows), which greedy rows keep unless a row's logits
+    are adjusted (a grammar, a bias, a penalty)."""
     if not seqs:
         return Sampled()
     assert logits is not None and logits.shape[0] == len(seqs), "one row of logits per sequence to sample"
     masks = _grammar_masks(logits, seqs)
     try:
-        chosen = _choose(_adjusted(logits, seqs, eos_token_ids, masks), seqs)
+        adjusted = _adjusted(logits, seqs, eos_token_ids, masks)
+        chosen = _choose(adjusted, seqs, greedy if adjusted is logits else None)
         errors: dict[int, BaseException] = {}
     except Exception:  # one row's settings (an absurd top_k, say): sample row by row to find it
         chosen, errors = _choose_rows_apart(logits, seqs, eos_token_ids, masks)
@@ -127,8 +135,8 @@ def _adjust_row(logits: torch.Tensor, seq: Sequence, eos_token_ids: Collection[i
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
-def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    chosen = logits.argmax(dim=-1)  # [R] greedy rows keep this
+def _choose(logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> torch.Tensor:
+    chosen = logits.argmax(dim=-1) if greedy is None else greedy.clone()  # [R] greedy rows keep this
     sampled = [r for r, s in enumerate(seqs) if not s.params.is_greedy]
     if not sampled:
         return chosen

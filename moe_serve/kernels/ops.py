@@ -102,6 +102,16 @@ def mask_logits(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor)
     reference.mask_logits_torch(logits, rows, bitmask)
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (each row's argmax [R] int64, as torch.argmax; whether every value of the row is
+    finite [R] bool): what every step's sampling reads, in one pass over the logits on the CPU."""
+    ext = _cpu_ext(logits)
+    if ext is not None:
+        tokens, finite = ext.greedy_rows(logits)
+        return tokens, finite
+    return reference.greedy_rows_torch(logits)
+
+
 # ---- routing ----------------------------------------------------------------------------------------
 
 

@@ -213,6 +213,11 @@ def mask_logits_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
     logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+def greedy_rows_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (each row's argmax [R] int64, whether every value of the row is finite [R] bool)."""
+    return logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
+
+
 # ---- int8 activations (kernels/csrc/int_dot.h) ------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moe_serve.kernels import ops
+from moe_serve.kernels.vocabulary import Weight
 from moe_serve.layers.attention import Attention
 from moe_serve.layers.batch import AttentionInputs, ForwardBatch
 from moe_serve.layers.ffn import FFN
@@ -110,9 +111,7 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, D]."""
-        h = self.embed(input_ids)
-        if self.config.position == "learned":
-            h = h + self.embed_positions(batch.attention.positions)
+        h = self.inputs(input_ids, batch)
         if batch.decode_stack is not None and batch.decode_stack.accepts(batch):  # engine.decode_stack
             h = batch.decode_stack(h, batch)
         else:
@@ -120,6 +119,13 @@ class MoETransformer(nn.Module):
                 h = layer(h, batch)
         if self.config.final_norm:
             h = self.norm(h)
+        return h
+
+    def inputs(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, D]: the token embeddings, plus learned positions."""
+        h = self.embed(input_ids)
+        if self.config.position == "learned":
+            h = h + self.embed_positions(batch.attention.positions)
         return h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -144,13 +150,15 @@ class MoETransformer(nn.Module):
                 layer.moe.expert_load.zero_()
         return loads
 
+    def lm_head_weights(self) -> tuple[Weight, torch.Tensor | None]:
+        """The LM head's weight (the token embeddings where they are tied) and bias."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight, self.lm_head_bias if self.config.lm_head_bias else None
+        return self.lm_head.weight, self.lm_head.bias
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, D] -> [R, V] in fp32 (divided by ModelConfig.logits_divisor, Granite's logits_scaling)."""
-        if self.config.tie_word_embeddings:
-            bias = self.lm_head_bias if self.config.lm_head_bias else None
-            logits = ops.linear(hidden, self.embed_tokens.weight, bias).float()
-        else:
-            logits = ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        logits = ops.linear(hidden, *self.lm_head_weights()).float()
         divisor = self.config.logits_divisor
         return logits / divisor if divisor != 1.0 else logits
 

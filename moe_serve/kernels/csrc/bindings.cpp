@@ -15,6 +15,7 @@
 //   latent_attention.cpp  latent_attention (DeepSeek's MLA, absorbed form, over its own paged cache)
 //   decode_stack.cpp      DecodeStack: every layer of a decode-only step in one call over the kernels above
 //   sampling.cpp          mask_logits (a structured output's grammar masks applied to their rows of the logits)
+//                         and greedy_rows (each row's argmax and finiteness)
 //
 // and the headers they share: common.h (includes, the legend of the names the comments use), vec.h (16-lane
 // float vectors: AVX-512, or AVX2 + FMA + F16C on CPUs without it; built with -march=native), formats.h
@@ -40,7 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_expert_load", &DecodeStack::set_expert_load)
+      .def("set_head", &DecodeStack::set_head)
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("run_logits", &DecodeStack::run_logits, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_timing", &DecodeStack::set_timing)
+      .def("timings", &DecodeStack::timings)
       .def("num_layers", &DecodeStack::num_layers);
   m.def("linear", &linear, "y = x W^T + b, streaming W once, a fixed FMA chain per output");
   m.def("linear_packed", &linear_packed, "linear over a packed weight: data, scales (int8, int4), format name");
@@ -68,6 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "topk_route's weighting codes by name");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("mask_logits", &mask_logits, "grammar bitmasks applied to their rows of the logits, in place");
+  m.def("greedy_rows", &greedy_rows, "each row's argmax (torch.argmax's) and whether the row is finite");
   m.def("rotary_write", &rotary_write, "rotary on q and k in place, k and v into the paged cache");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache, online softmax");
   m.def("packed_attention", &packed_attention, "attention over packed (varlen) keys, online softmax");

@@ -3,7 +3,10 @@
 
 #include "decode_stack.h"
 
+#include <chrono>
+
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/linear.h>
 
 #include "attention.h"
@@ -21,6 +24,30 @@ Operand stack_operand(const std::string& what, const at::Tensor& data, const c10
 
 at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+// Adds the seconds from its construction to its end to a part's sum, where the timers are on.
+class PartTimer {
+ public:
+  PartTimer(StackTimers& timers, const char* part) : timers_(timers), part_(part) {
+    if (timers_.enabled) start_ = std::chrono::steady_clock::now();
+  }
+  ~PartTimer() {
+    if (timers_.enabled)
+      timers_.seconds[part_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  StackTimers& timers_;
+  const char* part_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// f() timed as `part`.
+template <typename F>
+auto timed(StackTimers& timers, const char* part, F&& f) {
+  PartTimer timer(timers, part);
+  return f();
 }
 
 }  // namespace
@@ -99,24 +126,64 @@ at::Tensor DecodeStack::run(at::Tensor h, const c10::optional<at::Tensor>& cos_t
     sin = sin_table->index_select(0, positions);
   }
   const c10::optional<at::Tensor> none;
+  StackTimers& t = timers_;
   for (const StackLayer& layer : layers_) {
     int64_t H = layer.heads, G = layer.kv_heads, Dh = layer.head_dim;
-    auto qkv = layer.qkv(rms_norm(h, layer.attn_norm, layer.attn_eps));  // [T, (H + 2G) Dh]
+    auto normed = timed(t, "norms", [&] { return rms_norm(h, layer.attn_norm, layer.attn_eps); });
+    auto qkv = timed(t, "qkv projection", [&] { return layer.qkv(normed); });  // [T, (H + 2G) Dh]
     auto parts = qkv.split_with_sizes({H * Dh, G * Dh, G * Dh}, 1);
     auto q = parts[0].reshape({T, H, Dh}).contiguous();
     auto k = parts[1].reshape({T, G, Dh}).contiguous();
     auto v = parts[2].reshape({T, G, Dh}).contiguous();
-    rotary_write(q, k, v, cos, sin, layer.k_cache, layer.v_cache, slot_mapping);
-    auto attended = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_ids, positions, num_keys,
-                                    /*causal=*/true, layer.scale, none, none, 0, /*window=*/0, /*chunk=*/0, none);
-    h = h + layer.o(attended.reshape({T, H * Dh}));
-    auto x = rms_norm(h, layer.ffn_norm, layer.ffn_eps);
-    auto routed = topk_route(layer.router(x), token_k, max_k, layer.weighting);
+    timed(t, "rotary and cache writes", [&] { rotary_write(q, k, v, cos, sin, layer.k_cache, layer.v_cache, slot_mapping); });
+    auto attended = timed(t, "attention", [&] {
+      return paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_ids, positions, num_keys,
+                             /*causal=*/true, layer.scale, none, none, 0, /*window=*/0, /*chunk=*/0, none);
+    });
+    h = h + timed(t, "o projection", [&] { return layer.o(attended.reshape({T, H * Dh})); });
+    auto x = timed(t, "norms", [&] { return rms_norm(h, layer.ffn_norm, layer.ffn_eps); });
+    auto logits = timed(t, "router", [&] { return layer.router(x); });
+    auto routed = timed(t, "top-k", [&] { return topk_route(logits, token_k, max_k, layer.weighting); });
     if (layer.expert_load.defined()) count_experts(routed[0], layer.expert_load);
-    h = h + moe_experts_operands(x, routed[0], routed[1], layer.w1, opt(layer.b1), layer.w3, opt(layer.b3), layer.w2,
-                                 opt(layer.b2), Act{layer.activation});
+    h = h + timed(t, "experts", [&] {
+      return moe_experts_operands(x, routed[0], routed[1], layer.w1, opt(layer.b1), layer.w3, opt(layer.b3), layer.w2,
+                                  opt(layer.b2), Act{layer.activation});
+    });
   }
   return h;
+}
+
+void DecodeStack::set_head(const c10::optional<at::Tensor>& norm, double eps, const std::string& format,
+                           const at::Tensor& data, const c10::optional<at::Tensor>& scales,
+                           const c10::optional<at::Tensor>& bias, double divisor) {
+  StackHead head;
+  if (norm.has_value() && norm->defined()) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat, "DecodeStack: the final norm's weight must be float32");
+    head.norm = norm->contiguous();
+  }
+  head.eps = eps;
+  head.linear = {stack_operand("DecodeStack: LM head", data, scales, format, 2), defined_or_empty(bias), linear_max_rows_};
+  head.divisor = divisor;
+  head_ = std::move(head);
+}
+
+at::Tensor DecodeStack::run_logits(const at::Tensor& h, const c10::optional<at::Tensor>& cos_table,
+                                   const c10::optional<at::Tensor>& sin_table, const at::Tensor& positions,
+                                   const at::Tensor& seq_ids, const at::Tensor& num_keys,
+                                   const at::Tensor& block_tables, const at::Tensor& slot_mapping,
+                                   const at::Tensor& token_k, int64_t max_k) const {
+  TORCH_CHECK(head_.has_value(), "DecodeStack: run_logits needs the head (set_head)");
+  const StackHead& head = *head_;
+  auto out = run(h, cos_table, sin_table, positions, seq_ids, num_keys, block_tables, slot_mapping, token_k, max_k);
+  if (head.norm.defined()) out = timed(timers_, "final norm", [&] { return rms_norm(out, head.norm, head.eps); });
+  auto logits = timed(timers_, "LM head", [&] { return head.linear(out); });
+  return head.divisor != 1.0 ? at::div(logits, head.divisor) : logits;
+}
+
+std::map<std::string, double> DecodeStack::timings() {
+  std::map<std::string, double> out;
+  out.swap(timers_.seconds);
+  return out;
 }
 
 }  // namespace moe_serve

@@ -2,6 +2,8 @@
 // kernels of linear.h, attention.h and moe.h (decode_stack.cpp).
 #pragma once
 
+#include <map>
+
 #include "formats.h"
 
 namespace moe_serve {
@@ -38,6 +40,21 @@ struct StackLayer {
   at::Tensor expert_load;  // [N] int64 while the engine tracks expert load, else undefined
 };
 
+// After the layers, for steps whose every row samples its next token: the final norm, the LM head (or the
+// tied embedding) and the logits' divisor, as MoETransformer.forward and lm_logits apply them.
+struct StackHead {
+  at::Tensor norm;  // the final RMSNorm's weight [D] float32; undefined: the model has no final norm
+  double eps = 0.0;
+  StackLinear linear;
+  double divisor = 1.0;  // ModelConfig.logits_divisor (Granite's logits_scaling): the logits divided by it
+};
+
+// Where a stacked step's time goes, by part (set_timing): seconds summed since the last read.
+struct StackTimers {
+  bool enabled = false;
+  std::map<std::string, double> seconds;
+};
+
 class DecodeStack {
  public:
   explicit DecodeStack(int64_t linear_max_rows) : linear_max_rows_(linear_max_rows) {}
@@ -57,11 +74,26 @@ class DecodeStack {
   // The expert-load counters of each layer ([N] int64; None: not tracked), updated in place by run.
   void set_expert_load(const std::vector<c10::optional<at::Tensor>>& loads);
 
+  // The final norm (norm undefined: none), the LM head's operand and bias, and the logits' divisor.
+  void set_head(const c10::optional<at::Tensor>& norm, double eps, const std::string& format, const at::Tensor& data,
+                const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias, double divisor);
+
   // h [T, D] after the embeddings -> after the last layer. One token per sequence (a decode step).
   at::Tensor run(at::Tensor h, const c10::optional<at::Tensor>& cos_table, const c10::optional<at::Tensor>& sin_table,
                  const at::Tensor& positions, const at::Tensor& seq_ids, const at::Tensor& num_keys,
                  const at::Tensor& block_tables, const at::Tensor& slot_mapping, const at::Tensor& token_k,
                  int64_t max_k) const;
+
+  // run, then the head (set_head first): every row's logits [T, V] float32.
+  at::Tensor run_logits(const at::Tensor& h, const c10::optional<at::Tensor>& cos_table,
+                        const c10::optional<at::Tensor>& sin_table, const at::Tensor& positions,
+                        const at::Tensor& seq_ids, const at::Tensor& num_keys, const at::Tensor& block_tables,
+                        const at::Tensor& slot_mapping, const at::Tensor& token_k, int64_t max_k) const;
+
+  // Time each part of the steps from now on (or stop); timings() returns the seconds per part since the
+  // last call and starts the sums again.
+  void set_timing(bool enabled) { timers_.enabled = enabled; }
+  std::map<std::string, double> timings();
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
@@ -79,6 +111,8 @@ class DecodeStack {
 
   int64_t linear_max_rows_;
   std::vector<StackLayer> layers_;
+  c10::optional<StackHead> head_;
+  mutable StackTimers timers_;  // run is const: the sums are bookkeeping, not state a step reads
 };
 
 }  // namespace moe_serve

@@ -54,6 +54,7 @@ inline vf vreverse(vf a) {
 }
 inline float vreduce_add(vf a) { return _mm512_reduce_add_ps(a); }
 inline float vreduce_max_masked(mask16 m, vf a) { return _mm512_mask_reduce_max_ps(m, a); }
+inline mask16 vmask_eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // lane i set: a == b
 // Grouped weights (formats.h): 16 int8 values times their group's scale; a group of 32 int4
 // values (16 bytes, value j in byte j's low nibble, j + 16 in its high one) as (nibble - 8) * scale. A
 // permute reads only the low 4 bits of each 32-bit index, so a nibble picks its level from a 16-entry table
@@ -152,6 +153,11 @@ inline float vreduce_max_masked(mask16 m, vf a) {
   for (int c = 0; c < 16; ++c)
     if ((m >> c) & 1) best = std::max(best, lanes[c]);
   return best;
+}
+inline mask16 vmask_eq(vf a, vf b) {
+  unsigned lo = _mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ));
+  unsigned hi = _mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ));
+  return (mask16)(lo | hi << 8);
 }
 // Grouped weights (as in the AVX-512 branch): 8 lanes have no 16-entry permute, so the nibbles become
 // signed bytes (nibble - 8) and are converted like int8.

@@ -47,6 +47,8 @@ CONFIGS = {
     ),
     # Granite's attention scale, embedding scale and logit divisor (its residual scale the stack refuses, below).
     "granite-scales": mixtral_like(attention_scale=0.2, embedding_scale=3.0, logits_divisor=2.5),
+    # The LM head tied to the embeddings, with a bias, and no final norm.
+    "tied-head-bias-no-final-norm": mixtral_like(tie_word_embeddings=True, lm_head_bias=True, final_norm=False),
     # Full-softmax weights (normalize: false) and GELU-tanh GLU experts.
     "softmax-all-gelu": mixtral_like(
         moe=moe_config(
@@ -66,17 +68,18 @@ def _run(
     runner = llm.engine.runner
     assert (runner.decode_stack is not None) == stack
     used: list[int] = []
-    if stack:  # count the steps the stack ran, so the test proves it ran
-        original = runner.decode_stack.__call__.__func__
+    if stack:  # count the steps the stack ran through to the logits, so the test proves it ran
+        original = runner.decode_stack.logits.__func__
 
         class Counting(type(runner.decode_stack)):  # type: ignore[misc]
-            def __call__(self, h, batch):
+            def logits(self, h, batch):
                 used.append(h.shape[0])
                 return original(self, h, batch)
 
         runner.decode_stack.__class__ = Counting
     runner.track_expert_load()
     params = [SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, experts_per_token=k) for k in (1, 2, 4, 3)]
+    params[3] = SamplingParams(max_tokens=10, temperature=0.8, seed=7, logprobs=3, experts_per_token=3)  # sampled
     if policy:  # a top-p request in the batch: its steps run the Python layers
         params[0] = SamplingParams(max_tokens=3, temperature=0.0, logprobs=3, moe={"policy": "top_p", "p": 0.7})
     outputs = llm.generate(PROMPTS, params)  # one batch, mixed k

@@ -46,14 +46,14 @@ def test_unsampleable_settings_fail_only_their_sequence(llm: LLM) -> None:
 
 
 def test_a_forward_that_fails_for_one_sequence_fails_only_it(llm: LLM, monkeypatch) -> None:
-    original = TorchRunner.forward
+    original = TorchRunner.execute
 
     def fails_on_poison(self, output):
         if any(item.seq.request_id == "poison" for item in output.scheduled):
             raise RuntimeError("this input breaks the model")
         return original(self, output)
 
-    monkeypatch.setattr(TorchRunner, "forward", fails_on_poison)
+    monkeypatch.setattr(TorchRunner, "execute", fails_on_poison)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seqs = run(llm, {"a": ([1, 2], params), "poison": ([3, 4], params), "b": ([5, 6, 7], params)})
     assert seqs["poison"].finish_reason == "error" and "breaks the model" in str(seqs["poison"].error)
@@ -70,14 +70,14 @@ def test_a_failed_step_publishes_none_of_its_blocks_to_the_prefix_cache(tiny_mod
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = list(range(10, 50))  # two full blocks of 16, and more
     llm.generate([[200 + i % 50 for i in range(64)]], params)  # its freed blocks are the next ones taken
-    original = TorchRunner.forward
+    original = TorchRunner.execute
 
     def fails(self, output):
         raise RuntimeError("failed before writing its keys")
 
-    monkeypatch.setattr(TorchRunner, "forward", fails)
+    monkeypatch.setattr(TorchRunner, "execute", fails)
     assert run(llm, {"broken": (prompt, params)})["broken"].finish_reason == "error"
-    monkeypatch.setattr(TorchRunner, "forward", original)
+    monkeypatch.setattr(TorchRunner, "execute", original)
     hits = llm.engine.blocks.stats.hit_tokens
     again = run(llm, {"again": (prompt, params)})["again"].output_token_ids
     assert llm.engine.blocks.stats.hit_tokens == hits  # nothing found: the failed step published nothing

@@ -11,6 +11,7 @@ from moe_serve import LLM, SamplingParams
 from moe_serve.engine.sampler import sample
 from moe_serve.engine.sequence import Sequence
 from moe_serve.errors import ValidationError
+from moe_serve.kernels import ops
 
 EOS = 256
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
@@ -29,7 +30,18 @@ def seq(prompt: list[int], output: list[int], **params) -> Sequence:
 
 
 def pick(logits: list[float], s: Sequence) -> int:
-    return sample(torch.tensor([logits]), [s], (EOS,)).token_ids[0]  # type: ignore[return-value]
+    """The token the engine samples: with each row's argmax given, as LLMEngine passes it (ops.greedy_rows)."""
+    rows = torch.tensor([logits])
+    return sample(rows, [s], (EOS,), ops.greedy_rows(rows)[0]).token_ids[0]  # type: ignore[return-value]
+
+
+def test_a_given_argmax_is_what_plain_greedy_rows_take_and_adjusted_rows_recompute() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0.0]] * 3)
+    given = torch.tensor([3, 3, 3])  # not the argmax: which rows read it shows
+    rows = [seq([0], [], temperature=0.0), seq([0], [], temperature=0.0), seq([0], [], temperature=0.9, seed=1)]
+    assert sample(logits, rows, (EOS,), given).token_ids[:2] == [3, 3]  # plain greedy rows keep it
+    biased = [rows[0], seq([0], [], temperature=0.0, logit_bias={"2": 0.6}), rows[2]]
+    assert sample(logits, biased, (EOS,), given).token_ids[:2] == [1, 2]  # a row adjusts: all recomputed
 
 
 def test_logit_bias_moves_the_greedy_choice() -> None:
