@@ -182,91 +182,131 @@ inline __m256 tile_scales(const uint16_t* d) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
 }
 
-// Tiles: rows [n0, n1) in steps of 8, each activation row against each tile while it sits in L1.
-void int_dot_tiles(const QRows& x, int64_t M, const Int8Tiles& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
-  const int64_t K = w.K, B = K / GROUP;
-#ifdef MOE_SERVE_VNNI
-  const __m256i flip = _mm256_set1_epi8(char(0x80));  // w -> w + 128, unsigned
+// Tiles: rows [n0, n1) in steps of 8; within a tile, ROW_GROUP activation rows at a time, each block of the
+// tile loaded and unpacked once for the group (one accumulator a row, blocks in order: each output's operations
+// are the same whatever the group, so the results are). AVX2 has 16 vector registers: 8 for a block's
+// unpacked steps leave room for 2 rows' accumulators and chains; AVX-512's 32 hold 4.
+#if defined(__AVX512VL__)
+constexpr int ROW_GROUP = 4;
 #else
-  const __m256i ones = _mm256_set1_epi16(1);
+constexpr int ROW_GROUP = 2;
 #endif
-  for (int64_t n = n0; n < n1; n += TILE_ROWS) {
-    Int8Tiles tile = w.at(n);
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xq = x.q + m * K;
-#ifdef MOE_SERVE_VNNI
-      const int32_t* xs = x.s + m * B;
-#else
-      const int8_t* xa = x.a + m * K;  // |q| unsigned, w taking q's sign
-#endif
-      const float* xd = x.d + m * B;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < B; ++b) {
-        const int8_t* t = tile.q + b * Int8Tiles::TILE;
-#ifdef MOE_SERVE_VNNI
-        // two chains of four steps (an integer add joins them: the same sum)
-        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s += 2) {
-          __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s)), flip);
-          __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s + 32)), flip);
-          even = _mm256_dpbusd_epi32(even, w0, broadcast4(xq + b * GROUP + 4 * s));
-          odd = _mm256_dpbusd_epi32(odd, w1, broadcast4(xq + b * GROUP + 4 * s + 4));
-        }
-        __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_set1_epi32(128 * xs[b]));
-#else
-        __m256i sums = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s) {
-          __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
-          __m256i xs = broadcast4(xq + b * GROUP + 4 * s);
-          __m256i pairs = _mm256_maddubs_epi16(broadcast4(xa + b * GROUP + 4 * s), _mm256_sign_epi8(wv, xs));
-          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
-        }
-#endif
-        acc = add_block(acc, tile_scales(tile.d + b * TILE_ROWS), xd[b], sums);
-      }
-      _mm256_storeu_ps(C + m * ldc + n, acc);
+
+// A group's rows: their quantized values, scales and block sums, and where their outputs go.
+template <int R>
+struct RowGroup {
+  const int8_t* q[R];
+  const int8_t* a[R];
+  const float* d[R];
+  const int32_t* s[R];
+  float* c[R];
+  RowGroup(const QRows& x, int64_t m0, float* C, int64_t ldc, int64_t n) {
+    const int64_t K = x.K, B = K / GROUP;
+    for (int r = 0; r < R; ++r) {
+      q[r] = x.q + (m0 + r) * K;
+      a[r] = x.a + (m0 + r) * K;
+      d[r] = x.d + (m0 + r) * B;
+      s[r] = x.s + (m0 + r) * B;
+      c[r] = C + (m0 + r) * ldc + n;
     }
   }
+};
+
+template <int R>
+void int8_tile_rows(const RowGroup<R>& x, const Int8Tiles& tile, int64_t B) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const int8_t* t = tile.q + b * Int8Tiles::TILE;
+    __m256i w[8];
+#ifdef MOE_SERVE_VNNI
+    const __m256i flip = _mm256_set1_epi8(char(0x80));  // w -> w + 128, unsigned
+    for (int s = 0; s < 8; ++s) w[s] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s)), flip);
+#else
+    for (int s = 0; s < 8; ++s) w[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
+#endif
+    const __m256 scales = tile_scales(tile.d + b * TILE_ROWS);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q[r] + b * GROUP;
+#ifdef MOE_SERVE_VNNI
+      // two chains of four steps (an integer add joins them: the same sum)
+      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+      for (int s = 0; s < 8; s += 2) {
+        even = _mm256_dpbusd_epi32(even, w[s], broadcast4(xq + 4 * s));
+        odd = _mm256_dpbusd_epi32(odd, w[s + 1], broadcast4(xq + 4 * s + 4));
+      }
+      __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_set1_epi32(128 * x.s[r][b]));
+#else
+      const int8_t* xa = x.a[r] + b * GROUP;  // |q| unsigned, w taking q's sign
+      __m256i sums = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        __m256i pairs = _mm256_maddubs_epi16(broadcast4(xa + 4 * s), _mm256_sign_epi8(w[s], broadcast4(xq + 4 * s)));
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      }
+#endif
+      acc[r] = add_block(acc[r], scales, x.d[r][b], sums);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(x.c[r], acc[r]);
 }
 
-void int_dot_tiles(const QRows& x, int64_t M, const Int4Tiles& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
-  const int64_t K = w.K, B = K / GROUP;
+template <int R>
+void int4_tile_rows(const RowGroup<R>& x, const Int4Tiles& tile, int64_t B) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-#ifndef MOE_SERVE_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  for (int64_t n = n0; n < n1; n += TILE_ROWS) {
-    Int4Tiles tile = w.at(n);
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xq = x.q + m * K;
-      const float* xd = x.d + m * B;
-      const int32_t* xs = x.s + m * B;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < B; ++b) {
-        const uint8_t* t = tile.q + b * Int4Tiles::TILE;
-        const int8_t* xb = xq + b * GROUP;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* t = tile.q + b * Int4Tiles::TILE;
+    __m256i lo[4], hi[4];  // a step's nibbles: values 4s..4s+3 (low) and 16+4s.. (high) of each row
+    for (int s = 0; s < 4; ++s) {
+      __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
+      lo[s] = _mm256_and_si256(bytes, low4);
+      hi[s] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    }
+    const __m256 scales = tile_scales(tile.d + b * TILE_ROWS);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.q[r] + b * GROUP;
 #ifdef MOE_SERVE_VNNI
-        __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();  // two chains, joined exactly
-        for (int s = 0; s < 4; ++s) {
-          __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
-          low = _mm256_dpbusd_epi32(low, _mm256_and_si256(bytes, low4), broadcast4(xb + 4 * s));
-          high = _mm256_dpbusd_epi32(high, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), broadcast4(xb + 16 + 4 * s));
-        }
-        __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(low, high), _mm256_set1_epi32(8 * xs[b]));
-#else
-        // int16 pair sums of nibbles (<= 15) and int8 values: 4 steps x 2 halves x 2 * 15 * 127 < 2^15
-        __m256i pairs = _mm256_setzero_si256();
-        for (int s = 0; s < 4; ++s) {
-          __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * s));
-          __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * s)));
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * s)));
-        }
-        __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(8 * xs[b]));
-#endif
-        acc = add_block(acc, tile_scales(tile.d + b * TILE_ROWS), xd[b], sums);
+      __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();  // two chains, joined exactly
+      for (int s = 0; s < 4; ++s) {
+        low = _mm256_dpbusd_epi32(low, lo[s], broadcast4(xb + 4 * s));
+        high = _mm256_dpbusd_epi32(high, hi[s], broadcast4(xb + 16 + 4 * s));
       }
-      _mm256_storeu_ps(C + m * ldc + n, acc);
+      __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(low, high), _mm256_set1_epi32(8 * x.s[r][b]));
+#else
+      // int16 pair sums of nibbles (<= 15) and int8 values: 4 steps x 2 halves x 2 * 15 * 127 < 2^15
+      __m256i pairs = _mm256_setzero_si256();
+      for (int s = 0; s < 4; ++s) {
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[s], broadcast4(xb + 4 * s)));
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[s], broadcast4(xb + 16 + 4 * s)));
+      }
+      __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), _mm256_set1_epi32(8 * x.s[r][b]));
+#endif
+      acc[r] = add_block(acc[r], scales, x.d[r][b], sums);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(x.c[r], acc[r]);
+}
+
+template <int R, typename W>
+void tile_rows(const QRows& x, int64_t m0, const W& tile, int64_t B, float* C, int64_t ldc, int64_t n) {
+  RowGroup<R> group(x, m0, C, ldc, n);
+  if constexpr (std::is_same_v<W, Int8Tiles>) int8_tile_rows<R>(group, tile, B);
+  else int4_tile_rows<R>(group, tile, B);
+}
+
+template <typename W>
+void int_dot_tiles(const QRows& x, int64_t M, const W& w, int64_t n0, int64_t n1, float* C, int64_t ldc) {
+  const int64_t B = w.K / GROUP;
+  for (int64_t n = n0; n < n1; n += TILE_ROWS) {
+    W tile = w.at(n);
+    int64_t m = 0;
+    for (; m + ROW_GROUP <= M; m += ROW_GROUP) tile_rows<ROW_GROUP>(x, m, tile, B, C, ldc, n);
+    switch (M - m) {  // the last rows, fewer than a group
+      case 3: tile_rows<3>(x, m, tile, B, C, ldc, n); break;
+      case 2: tile_rows<2>(x, m, tile, B, C, ldc, n); break;
+      case 1: tile_rows<1>(x, m, tile, B, C, ldc, n); break;
+      default: break;
     }
   }
 }
