@@ -97,6 +97,33 @@ inline void dequantize_rows(const W& w, int64_t n, int64_t rows, int64_t K, floa
     }
 }
 
+// One row of X against rows [n0, n1) of a grouped format: rows n and n + half together, two independent
+// chains (a lone chain's FMA latency and unpacking hold a row at ~8 GB/s a core) from two sequential streams
+// (rows n and n + 1 together, 512 bytes apart, ran 1.5-2.4x slower from memory: the pattern the prefetchers
+// lose). Each output is micro<W, 1, 1>'s chain, so the results are the same.
+template <typename W>
+void dot_row_pairs(const float* X, const W& w, int64_t K, int64_t n0, int64_t n1, float* C) {
+  constexpr int V = W::STEP / 16;
+  const int64_t half = (n1 - n0) / 2;
+  for (int64_t n = n0; n < n0 + half; ++n) {
+    W a = w.at(n), b = w.at(n + half);
+    vf acc_a = vzero(), acc_b = vzero();
+    for (int64_t k = 0; k < K; k += W::STEP) {
+      vf wa[V], wb[V];
+      a.load(0, k, wa);
+      b.load(0, k, wb);
+      for (int v = 0; v < V; ++v) {
+        vf x = vload(X + k + 16 * v);
+        acc_a = vfmadd(x, wa[v], acc_a);
+        acc_b = vfmadd(x, wb[v], acc_b);
+      }
+    }
+    C[n] = vreduce_add(acc_a);
+    C[n + half] = vreduce_add(acc_b);
+  }
+  if ((n1 - n0) % 2) micro<W, 1, 1>(X, 0, w.at(n1 - 1), K, C + n1 - 1, 1);
+}
+
 // C[m, n] = dot(X[m], W[n]) for all M rows of X and rows [n0, n1) of W. W is read from memory once: with
 // up to 4 rows of X, one row of W at a time (a single sequential stream per thread: the prefetchers keep
 // up, ~30 GB/s here against ~23 with four interleaved streams); with more, blocks of BLOCK_W rows of W sit
@@ -105,8 +132,12 @@ inline void dequantize_rows(const W& w, int64_t n, int64_t rows, int64_t K, floa
 //
 // Grouped formats, measured on one Zen 4 core (LM head 32000 x 1024 from memory, benchmarks/packed_gemv.py):
 // - up to 4 rows, unpacked in registers at each step: int4 2.06 ms at M = 1, int8 2.04 (fp32 4.05), one
-//   accumulator chain a row (two chained FMAs a group); two or four rows of W at a time (independent
-//   chains) were slower from memory (int4 2.88, 2.84 ms: several streams again);
+//   accumulator chain a row (two chained FMAs a group); two or four adjacent rows of W at a time
+//   (independent chains) were slower from memory (int4 2.88, 2.84 ms: several streams again). At M = 1 the
+//   grouped formats now take rows n and n + half instead (dot_row_pairs): two streams that stay sequential.
+//   A batch-1 decode step of the medium model at k = 2, interleaved A/B in one process (25 rounds, medians):
+//   int4 6.40 -> 5.67 ms (fp32 activations), 5.06 -> 4.84 (auto, attention's projections), int8 7.24 ->
+//   6.52; bf16 (9.83, 9.77) and fp32 (16.04, 15.89) read at the copy bandwidth already and stay one chain;
 // - two or four chains an output (vector t of K into chain t % C, the chains summed pairwise at the end),
 //   which the blocks above 4 rows compute in C passes over K for the same results (the other core busy,
 //   load average 6, each call interleaved with the one-chain kernel's): at M = 1 int4 2.12 -> 1.84 ms,
@@ -124,6 +155,9 @@ inline void dequantize_rows(const W& w, int64_t n, int64_t rows, int64_t K, floa
 //   bf16 through tiles was slower too (M = 5: 9.8 ms against 7.1): its shift stays in the blocks.
 template <typename W>
 void dot_rows(const float* X, int64_t ldx, int64_t M, const W& w, int64_t K, int64_t n0, int64_t n1, float* C, int64_t ldc) {
+  if constexpr (W::TILED) {
+    if (M == 1) return dot_row_pairs(X, w, K, n0, n1, C);
+  }
   if (M <= 4) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; m += 2)  // the second pair reads the row of W from L1

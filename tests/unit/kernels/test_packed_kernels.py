@@ -150,7 +150,7 @@ def _linear(ext: ModuleType, x: torch.Tensor, weight: Weight, bias: torch.Tensor
 
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("fmt", PACKED_FORMATS)
-@pytest.mark.parametrize("n,k", [(37, 64), (130, 96), (11, 1024)])
+@pytest.mark.parametrize("n,k", [(37, 64), (130, 96), (11, 1024), (333, 256)])  # the last: threads, an odd range
 def test_linear_is_the_fp32_kernel_on_the_dequantized_weight(
     ext: ModuleType, fmt: WeightFormat, n: int, k: int
 ) -> None:
