@@ -10,16 +10,17 @@ Policy (vLLM's, with one addition):
   and their attention context, both rates calibrated at start-up and refitted online), so a long prompt
   joining never stalls the decodes; with nothing decoding, chunks take the whole budget.
 - Long prompts share the engine (vLLM's partial-prefill limits): a prompt of more than
-  `long_prefill_threshold` tokens is long while it is prefilled. At most `max_long_prefills` long prompts are
-  in progress at once; a long prompt waiting behind them is skipped, not admitted, so that the short requests
-  queued behind it (a completion behind the 16 inputs of one /v1/score) are admitted at once. A long prompt's
-  chunk is at most `long_prefill_chunk` tokens and, deeper in the prompt, at most what they cost from its
-  start (beside decodes, or a request admitted in the same step: the join-stall room, down to one token), so
-  that a step stays short even when nothing decodes and a newly arrived request waits at most one short step;
-  long chunks take what the step has left after the decodes, the short prompts and the admissions. When long
-  prompts are all a step runs (bulk scoring), their chunk may cost `long_prefill_alone_seconds` instead: as
-  fast as before the limits (per-step overhead is a few ms), and a request arriving meanwhile waits at most
-  that long for the step in flight.
+  `long_prefill_threshold` tokens (or of a request whose prompts have that many together, or of background
+  work) is long while it is prefilled. At most `max_long_prefills` pieces of long work are in progress at
+  once; long work waiting behind them is skipped, not admitted, so that the short requests queued behind it
+  (a completion behind the 16 inputs of one /v1/score) are admitted at once. Long work goes after the
+  decodes, the short prompts and the admissions. Alone, a long prompt's chunk is at most `long_prefill_chunk`
+  tokens and, deeper in the prompt, at most what they cost from its start, so that a newly arrived request
+  waits at most one short step; after a while of that (bulk scoring), `long_prefill_alone_seconds`: as fast
+  as before the limits, and a request arriving meanwhile waits at most that long for the step in flight.
+  Beside interactive work, long work rides along only on time it has earned (a quarter of the interactive
+  steps' measured seconds, spent by its steps' measured extra seconds), within the join-stall room: it keeps
+  progressing under a stream that never pauses, and a short request's few steps rarely carry it.
 - Classification inputs need their whole input in one step (bidirectional attention): they run when they
   fit the budget and take no KV blocks; a long one (whole, it cannot be capped) takes a long slot for its step.
 Nothing here touches tensors: the scheduler unit-tests without a model.
@@ -40,10 +41,12 @@ from moe_serve.engine.step_costs import StepCosts
 # long_prefill_alone_seconds: longer than the gap between an interactive client's one request and its next, so
 # a client sending request after request finds short steps, never one of the long ones.
 QUIET_SECONDS_BEFORE_LONG_CHUNKS = 0.1
-# Beside interactive decodes, long work takes at most this share of the join-stall room (short prompts take all
-# of it): a decode step that carries long chunks costs about 1.5 decode steps, not max_join_stall of them, and
-# a short request's latency under bulk work stays near its latency alone.
-LONG_SHARE_OF_STALL = 0.25
+# Beside interactive work (decodes, short prompts), long work earns this share of the interactive steps' measured
+# time and rides along only on what it has earned, each carrying step charged its measured extra seconds: it
+# progresses at about a fifth of the engine's time while interactive streams never pause, and a short request's
+# few steps rarely carry any of it. (A share of every step's room instead put one deep token into each of them:
+# 2-3 ms apiece at 2,000 cached keys on the demo model, a 4-token completion 3.3x its time alone.)
+LONG_SHARE_BESIDE_INTERACTIVE = 0.25
 BACKGROUND = object()  # the long slot all background work shares
 
 
@@ -72,7 +75,11 @@ class Scheduler:
         self._quiet_step = False  # the step last scheduled runs long work only
         self._budget = 0  # tokens left in the step being scheduled
         self._room: float | None = None  # seconds of prefill left beside its decodes (None: nothing decodes)
-        self._long_room: float | None = None  # seconds left to long chunks when nothing decodes
+        self._long_room: float | None = None  # seconds left to this step's long chunks (None: the token cap alone)
+        self._long_credit = 0.0  # seconds long work has earned beside interactive work (negative: owed)
+        self._credit_cap = 0.0  # the most it may hold: one step's join-stall room
+        self._interactive_seconds = 0.0  # this step's estimated seconds without its long chunks
+        self._long_beside = False  # this step carries long chunks beside interactive work
         self._long_alone = False  # this step runs long work alone, after quiet steps
         self._long_scheduled = False  # a long chunk is in this step already
         self._blocked = False  # admission met a sequence its blocks (or a whole classified input) did not fit
@@ -116,13 +123,8 @@ class Scheduler:
         num_decodes = sum(1 for s in self.running if s.num_output_tokens and s.num_computed_tokens >= s.num_tokens - 1)
         # Seconds of prefill this step may spend beside the decodes (None: nothing decodes).
         self._room = self.costs.prefill_room(self.config.max_join_stall, num_decodes)
-        # When nothing else runs, long work costs at most what long_prefill_chunk tokens cost at the start of a
-        # prompt: deeper chunks get fewer tokens, so a request arriving meanwhile waits at most one such step
-        # (None: the costs are not known yet; the token cap alone bounds the chunk then).
-        self._long_room = None
+        self._long_room = None  # set by _room_alone or _room_beside, once short work is scheduled
         self._long_alone = False  # set while long work is all this step runs
-        if self.costs.per_token:  # (1 + 1e-9): so that long_prefill_chunk tokens fit at position 0, despite rounding
-            self._long_room = self.costs.chunk_seconds(self.config.long_prefill_chunk, 0) * (1 + 1e-9)
         self._budget = self.config.max_num_batched_tokens
         self._long_scheduled = False
         self._blocked = False
@@ -131,32 +133,82 @@ class Scheduler:
         longs = [seq for seq in self.running if self.is_long(seq)]
         self._run([seq for seq in self.running if not self.is_long(seq)], out)
         self._admit(out, long=False)
-        # Long work alone for a while (QUIET_SECONDS_BEFORE_LONG_CHUNKS: a client sending request after request
-        # leaves no such gap): longer chunks, fewer steps. The first quiet steps stay short, so a request
-        # following its predecessor soon never meets a long one.
         quiet = not out.scheduled
-        if self._room is not None:  # interactive decodes run: long work gets its share of the room they leave
-            self._room *= LONG_SHARE_OF_STALL
-        if quiet and self._quiet_seconds >= QUIET_SECONDS_BEFORE_LONG_CHUNKS and self._long_room is not None:
-            # The step's own overhead is part of its time: its chunks get the rest.
-            alone = self.config.long_prefill_alone_seconds - self.costs.step_overhead
-            self._long_room = max(self._long_room, alone)
-            self._long_alone = True
-        self._run(longs, out, long=True)
-        self._admit(out, long=True)
+        if quiet:
+            self._long_credit = 0.0  # long work has the engine: what it earned beside others is spent
+            runs_long = self._room_alone()
+        else:
+            runs_long = self._room_beside(out, longs)
+        if runs_long:
+            self._run(longs, out, long=True)
+            self._admit(out, long=True)
         self._long_alone = False
+        self._long_beside = not quiet and self._long_scheduled
         self._quiet_step = quiet
         if not quiet:
             self._quiet_seconds = 0.0
         return out
 
+    def _room_alone(self) -> bool:
+        """The long room of a step that runs long work only: what long_prefill_chunk tokens cost at the start of a
+        prompt (deeper chunks get fewer tokens, so a request arriving meanwhile waits at most one such step), or,
+        after QUIET_SECONDS_BEFORE_LONG_CHUNKS of such steps (a client sending request after request leaves no
+        such gap), long_prefill_alone_seconds: longer chunks, fewer steps. -> True (long work runs)."""
+        if not self.costs.per_token:  # the costs are not known yet: the token cap alone bounds the chunk
+            return True
+        # (1 + 1e-9): so that long_prefill_chunk tokens fit at position 0, despite rounding
+        self._long_room = self.costs.start_chunk_seconds(self.config.long_prefill_chunk) * (1 + 1e-9)
+        if self._quiet_seconds >= QUIET_SECONDS_BEFORE_LONG_CHUNKS:
+            # The step's own overhead is part of its time: its chunks get the rest.
+            alone = self.config.long_prefill_alone_seconds - self.costs.step_overhead
+            self._long_room = max(self._long_room, alone)
+            self._long_alone = True
+        return True
+
+    def _room_beside(self, out: SchedulerOutput, longs: list[Sequence]) -> bool:
+        """Whether long work rides along in a step of interactive work, and its room there. It earns a share of
+        the interactive steps' time (LONG_SHARE_BESIDE_INTERACTIVE, up to one step's join-stall room) and rides
+        once it has earned a whole room, within what the short work left of this step's: a few steps in
+        several carry one chunk that fills the room, the others run interactive work alone (and a 4-token
+        completion's few steps, none). Deep in a long prompt, where one token costs more than the room, it
+        takes that token once the room is earned, and pays the rest back in the steps after. -> False: not
+        this step."""
+        costs = self.costs
+        if not costs.per_token:  # the costs are not known yet: the token cap alone bounds the chunk
+            return True
+        self._interactive_seconds = sum(
+            costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode
+        )
+        self._interactive_seconds += (costs.decode_step or 0.0) if out.num_decodes else costs.step_overhead
+        # One step's join-stall room, beside one decode (a short request admitted now decodes from its next step).
+        cap = costs.prefill_room(self.config.max_join_stall, 1)
+        self._credit_cap = cap if cap is not None else costs.start_chunk_seconds(self.config.long_prefill_chunk)
+        room = self._credit_cap if self._room is None else min(self._credit_cap, self._room)
+        depth = longs[0].num_computed_tokens if longs else 0
+        if self._long_credit < self._credit_cap * (1 - 1e-9) or room < min(
+            costs.chunk_seconds(1, depth), self._credit_cap
+        ):
+            return False
+        self._long_room = room
+        return True
+
     def step_took(self, seconds: float) -> None:
         """The measured seconds of the step last scheduled. Quiet time is counted in measured seconds, not by
         the cost model: where the model overestimated capped steps, 0.1 s of them by its count passed in less
         than a client's gap between requests, and its next request met a step of long_prefill_alone_seconds
-        (probe maxima of 16x in benchmarks/fair_share.py)."""
+        (probe maxima of 16x in benchmarks/fair_share.py). Long work's credit beside interactive work too: a
+        step that carried long chunks is charged what it took beyond its interactive work's estimate (the long
+        chunks' own estimate may be far off), and every interactive step earns the share of the rest of its
+        seconds. The debt is bounded by the longest step the scheduler plans (long_prefill_alone_seconds, or one
+        room): a step slower than that was slowed by something else (a collection, the machine), and must not
+        hold long work back for many."""
         if self._quiet_step:
             self._quiet_seconds += seconds
+            return
+        spent = max(seconds - self._interactive_seconds, 0.0) if self._long_beside else 0.0
+        credit = self._long_credit - spent + LONG_SHARE_BESIDE_INTERACTIVE * (seconds - spent)
+        debt = max(self._credit_cap, self.config.long_prefill_alone_seconds)
+        self._long_credit = min(max(credit, -debt), self._credit_cap)
 
     def _run(self, seqs: list[Sequence], out: SchedulerOutput, long: bool = False) -> None:
         """The next chunk (or decode) of running sequences, in order, while the budget lasts (and, for long
@@ -176,10 +228,8 @@ class Scheduler:
             self._long_scheduled |= long
 
     def _long_room_spent(self) -> bool:
-        """Whether long work has had its share of this step: at least one long chunk ran, and the room it
-        draws on (beside decodes, or its own when nothing decodes) is gone."""
-        room = self._room if self._room is not None else self._long_room
-        return self._long_scheduled and room is not None and room <= 0.0
+        """Whether long work has had its share of this step: at least one long chunk ran, and its room is gone."""
+        return self._long_scheduled and self._long_room is not None and self._long_room <= 0.0
 
     def _admit(self, out: SchedulerOutput, long: bool) -> None:
         """Waiting sequences of one class (short, or long work), first come first served, while blocks, budget
@@ -250,10 +300,6 @@ class Scheduler:
                 in_progress.add(work)
                 self._long_scheduled = True
                 reserved += self.blocks.blocks_to_finish(seq)
-            beside = self.costs.prefill_room(self.config.max_join_stall, 1)
-            if not long and self._long_room is not None and beside is not None:
-                # It decodes from its next step: long chunks keep this step as short as if it did already.
-                self._long_room = min(self._long_room, beside * LONG_SHARE_OF_STALL)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
@@ -263,11 +309,11 @@ class Scheduler:
     def _fit(self, n: int, start: int, seq: Sequence) -> int:
         """The chunk of at most n tokens from `start` that `seq` runs this step. Under the join-stall room
         while others decode (never fewer than min_chunk tokens, so that a prompt always progresses). A long
-        prompt's chunk: at most `long_prefill_chunk` tokens, and under the room too, beside decodes (or a short prompt
-        admitted this step) or, when nothing else runs, what long_prefill_chunk tokens cost from position 0. The
-        step's first long chunk takes at least one token (late in a long prompt even min_chunk tokens can cost many
-        decode steps: each token reads thousands of cached keys), so long work always progresses; a later one
-        takes what the room still holds, none when it holds no token (0: the sequence waits for the next step)."""
+        prompt's chunk: at most `long_prefill_chunk` tokens (unless long work runs alone after the quiet time),
+        and under the step's long room (_room_alone, _room_beside). The step's first long chunk takes at least
+        one token (late in a long prompt even min_chunk tokens can cost many decode steps: each token reads
+        thousands of cached keys), so long work always progresses; a later one takes what the room still
+        holds, none when it holds no token (0: the sequence waits for the next step)."""
         if n <= 1:  # a decode
             return n
         if not self.is_long(seq, start):
@@ -276,18 +322,12 @@ class Scheduler:
             return n
         if not self._long_alone:
             n = min(n, self.config.long_prefill_chunk)
-        decoding = self._room is not None
-        room = self._room if decoding else self._long_room
-        if room is None:  # costs not known yet: the token cap alone
+        if self._long_room is None:  # costs not known yet: the token cap alone
             return n
-        n = min(n, self.costs.tokens_within(room, start))
+        n = min(n, self.costs.tokens_within(self._long_room, start))
         if n == 0 and not self._long_scheduled:
             n = 1
-        left = max(room - self.costs.chunk_seconds(n, start), 0.0)
-        if decoding:
-            self._room = left
-        else:
-            self._long_room = left
+        self._long_room = max(self._long_room - self.costs.chunk_seconds(n, start), 0.0)
         return n
 
     def _chunk(self, n: int, start: int, room: float) -> tuple[int, float]:

@@ -203,7 +203,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       sm.finish(op + i * Dh);
     }
   };
-  if (small_work(T * H * Dh * 16)) body(0, T * H);
+  // The work is every query's keys: one query deep in a long prompt (a decode, or a one-token chunk at 2,000
+  // cached keys) is worth both threads. Each (token, head) is one thread's, in the same order: the same bits.
+  int64_t keys = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t pos = pp[t], num_keys = causal ? std::min(pos + 1, np[sp[t]]) : np[sp[t]];
+    keys += std::max<int64_t>(num_keys - first_key(pos, window, chunk), 16);
+  }
+  if (small_work(keys * H * Dh)) body(0, T * H);
   else at::parallel_for(0, T * H, 1, body);
   return out;
 }

@@ -7,7 +7,7 @@ import pytest
 
 from moe_serve.engine.block_manager import BlockManager
 from moe_serve.engine.scheduler import (
-    LONG_SHARE_OF_STALL,
+    LONG_SHARE_BESIDE_INTERACTIVE,
     QUIET_SECONDS_BEFORE_LONG_CHUNKS,
     ScheduledSequence,
     Scheduler,
@@ -27,10 +27,11 @@ def seq(prompt_len: int, k: int = 2, name: str = "r", first: int = 0, kind=Seque
 
 def estimated_seconds(scheduler: Scheduler, out: SchedulerOutput) -> float:
     """A step's seconds by the scheduler's cost model: what a pretended step took."""
-    if not scheduler.costs.per_token:
+    costs = scheduler.costs
+    if not costs.per_token:
         return 0.0
-    chunks = sum(scheduler.costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode)
-    return scheduler.costs.step_overhead + chunks
+    chunks = sum(costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if not i.is_decode)
+    return ((costs.decode_step or 0.0) if out.num_decodes else costs.step_overhead) + chunks
 
 
 def run_step(scheduler: Scheduler, sample: int = 7) -> list[tuple[str, int]]:
@@ -313,6 +314,38 @@ def test_online_fit_keeps_its_shape_when_every_chunk_has_the_same_context() -> N
     assert step == pytest.approx(2 * 32 * (0.001 + 0.00002 * 16), rel=0.02)
 
 
+def test_online_fit_learns_that_a_deep_chunk_reads_its_cached_context_once() -> None:
+    """Deep in a long prompt a chunk's first token costs far more than the next ones (its thousands of cached
+    keys come in from memory once): the fit learns that term, so one token there is dear and a chunk of many
+    is not, and the step's overhead is not taken for it (a few tokens that deep are no short prompt)."""
+    overhead, per_token, per_pair, per_context = 0.001, 0.00003, 0.0000001, 0.0000013
+    costs = StepCosts()
+    costs.calibrate(lambda n: overhead + n * (per_token + per_pair * n / 2), 64, 512)
+    calibrated = costs.step_overhead
+
+    def truth(n: int, start: int) -> float:
+        return n * (per_token + per_pair * (start + n / 2)) + per_context * start
+
+    for start in range(2000, 3200, 40):  # capped chunks at growing depth, of 1 to 14 tokens
+        for n in (1, 2, 14, 6):
+            costs.observe(_prefill_step([(n, start)]), overhead + truth(n, start))
+    assert costs.step_overhead == calibrated
+    for n in (1, 14, 140):
+        assert costs.chunk_seconds(n, 3300) == pytest.approx(truth(n, 3300), rel=0.05)
+    assert costs.tokens_within(truth(20, 3300), 3300) in (19, 20)
+    assert costs.tokens_within(0.5 * per_context * 3300, 3300) == 0  # not even the context's read fits
+
+
+def test_the_start_cost_stays_the_calibrated_one_when_the_fit_moves_deep_in_a_prompt() -> None:
+    costs = StepCosts()
+    costs.calibrate(lambda n: n * (0.00003 + 0.0000001 * n / 2), 64, 512)
+    start = costs.start_chunk_seconds(128)
+    for _ in range(30):  # every chunk at the same depth: the fit may put their cost anywhere on its line
+        costs.observe(_prefill_step([(2, 3000)]), 0.006)
+    assert costs.start_chunk_seconds(128) == start
+    assert start == pytest.approx(128 * (0.00003 + 0.0000001 * 64))
+
+
 # ---- long prompts share the engine (one 16-input /v1/score once held a 4-token completion for 49.6 s) ----
 
 
@@ -369,19 +402,56 @@ def test_two_long_slots_and_waiting_long_prompts_keep_their_order() -> None:
     assert [x.request_id for x in s.waiting] == ["c"]
 
 
-def test_decodes_are_never_starved_and_long_chunks_keep_the_join_stall_bound() -> None:
-    s = make_fair(budget=2048, threshold=512, num_blocks=1100)  # room for one 4,000-token input beside the decodes
+def long_beside_decodes(s: Scheduler, steps: int, slower: float = 1.0) -> tuple[list[dict[str, int]], float, float]:
+    """`steps` steps of 4 decodes that never pause beside 16 long inputs of 4,000 tokens; a step's long chunks
+    take `slower` times their estimate. -> each step's chunks, long work's seconds, all the steps' seconds."""
     for i in range(4):
         s.add(seq(3, name=f"d{i}", first=10 * i))
     run_step(s)
     s.costs.decode_step, s.costs.per_token = 0.010, 0.0005
     for i in range(16):
         s.add(seq(4000, name=f"score{i}", first=10_000 * i, kind=SequenceKind.SCORE))
-    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN * LONG_SHARE_OF_STALL / 0.0005)
-    for _ in range(10):
-        step = dict(run_step(s))
-        assert all(step[f"d{i}"] == 1 for i in range(4))  # every decode, every step
-        assert [name for name in step if name.startswith("score")] == ["score0"] and step["score0"] == chunk
+    chunks, long_seconds, total = [], 0.0, 0.0
+    for _ in range(steps):
+        out = s.schedule()
+        s.update(out)
+        long = sum(
+            s.costs.chunk_seconds(i.num_tokens, i.start) for i in out.scheduled if i.seq.kind is SequenceKind.SCORE
+        )
+        seconds = estimated_seconds(s, out) + (slower - 1.0) * long
+        s.step_took(seconds)
+        for item in out.scheduled:
+            if item.seq.kind is SequenceKind.GENERATE:
+                item.seq.token_ids.append(7)
+        chunks.append({item.seq.request_id: item.num_tokens for item in out.scheduled})
+        long_seconds, total = long_seconds + slower * long, total + seconds
+    return chunks, long_seconds, total
+
+
+def test_decodes_never_pause_and_long_work_beside_them_gets_its_share_in_a_few_full_steps() -> None:
+    """Beside decodes that never pause, long work rides along on the time it earned (a quarter of the rest):
+    one step in five carries a chunk that fills one join-stall room, the other four run the decodes alone,
+    and long work gets a fifth of the engine's time."""
+    s = make_fair(budget=2048, threshold=512, num_blocks=1100)  # room for one 4,000-token input beside the decodes
+    steps, long_seconds, total = long_beside_decodes(s, 100)
+    room = (3.0 - 1.0) * 0.010 * ROOM_MARGIN
+    assert all(step[f"d{i}"] == 1 for step in steps for i in range(4))  # every decode, every step
+    carried = [step for step in steps if any(name.startswith("score") for name in step)]
+    assert all(list(step)[4:] == ["score0"] and step["score0"] == int(room / 0.0005) for step in carried)
+    assert 18 <= len(carried) <= 21
+    share = LONG_SHARE_BESIDE_INTERACTIVE / (1 + LONG_SHARE_BESIDE_INTERACTIVE)
+    assert long_seconds / total == pytest.approx(share, rel=0.1)
+
+
+def test_long_work_beside_decodes_is_charged_what_its_chunks_took_not_their_estimate() -> None:
+    """Chunks that take three times their estimate (a deep chunk's cached keys read from memory) ride along
+    a third as often: long work keeps its share of the measured time, and the decodes theirs."""
+    s = make_fair(budget=2048, threshold=512, num_blocks=1100, alone_seconds=0.08)  # owed up to 80 ms
+    steps, long_seconds, total = long_beside_decodes(s, 150, slower=3.0)
+    carried = sum(1 for step in steps if "score0" in step)
+    assert 8 <= carried <= 12
+    share = LONG_SHARE_BESIDE_INTERACTIVE / (1 + LONG_SHARE_BESIDE_INTERACTIVE)
+    assert long_seconds / total == pytest.approx(share, rel=0.15)
 
 
 def test_a_long_classification_input_takes_the_long_slot_for_its_step() -> None:
@@ -411,8 +481,7 @@ def test_deeper_long_chunks_cost_no_more_than_the_first_when_nothing_decodes() -
 
 def test_long_prompts_alone_take_chunks_of_the_alone_step_time_and_shrink_when_a_request_arrives() -> None:
     """Bulk scoring alone keeps its throughput (chunks of long_prefill_alone_seconds, not of
-    long_prefill_chunk tokens); a request that arrives is admitted in the next step, and the long chunk
-    beside it shrinks back."""
+    long_prefill_chunk tokens); a request that arrives is admitted in the next step, and long work yields."""
     s = make_fair(budget=2048, threshold=64, num_blocks=1024, alone_seconds=0.2)
     s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.01
     s.add(long := seq(3000, name="score", kind=SequenceKind.SCORE))
@@ -424,9 +493,7 @@ def test_long_prompts_alone_take_chunks_of_the_alone_step_time_and_shrink_when_a
     assert name == "score" and not others and n > 64
     assert s.costs.chunk_seconds(n, start) <= 0.2 + 1e-12 < s.costs.chunk_seconds(n + 1, start)
     s.add(seq(5, name="short", first=9000))
-    start = long.num_computed_tokens
-    (short, _), (name, n) = run_step(s)
-    assert short == "short" and name == "score" and n <= 64 and s.costs.chunk_seconds(n, start) < 0.2
+    assert run_step(s) == [("short", 5)]  # long work yields: it earned nothing beside others yet
 
 
 def test_quiet_time_before_long_chunks_is_measured_not_estimated() -> None:
@@ -449,30 +516,37 @@ def test_quiet_time_before_long_chunks_is_measured_not_estimated() -> None:
     assert 3 * capped < s.costs.chunk_seconds(n, start) <= 0.2 + 1e-12
 
 
-def test_the_step_that_admits_a_short_request_keeps_the_join_stall_bound() -> None:
+def test_a_short_request_admitted_beside_long_work_runs_its_first_steps_alone() -> None:
+    """Long work that had the engine to itself has earned nothing beside others: the short request's steps
+    run it alone until long work earns a room (six of them), and that step stays in the join-stall bound."""
     s = make_fair(budget=2048, threshold=64, num_blocks=1024)
     s.costs.decode_step, s.costs.per_token = 0.010, 0.0005
     s.add(seq(1000, name="score", kind=SequenceKind.SCORE))
     assert run_step(s) == [("score", 64)]  # alone: what 64 tokens cost
     s.add(seq(5, name="short", first=5000))
-    # The room beside one decode (it decodes next):
-    chunk = int((3.0 - 1.0) * 0.010 * ROOM_MARGIN * LONG_SHARE_OF_STALL / 0.0005)
-    assert run_step(s) == [("short", 5), ("score", chunk)]
+    steps = [run_step(s) for _ in range(8)]
+    assert steps[0] == [("short", 5)] and all(step == [("short", 1)] for step in steps[1:6])
+    room = (3.0 - 1.0) * 0.010 * ROOM_MARGIN  # beside one decode
+    assert steps[6] == [("short", 1), ("score", int(room / 0.0005))] and steps[7] == [("short", 1)]
 
 
-def test_deep_in_a_long_prompt_its_chunk_beside_decodes_shrinks_to_one_token_not_min_chunk() -> None:
+def test_deep_in_a_long_prompt_long_work_beside_decodes_takes_one_token_once_it_earned_a_room() -> None:
+    """Deep in a long prompt one token reads 100 cached keys and costs more than a step's join-stall room:
+    long work takes one token (never min_chunk: 16 tokens would stall the decode 16 times as long) once it
+    has earned a room, and pays the rest back in the steps after; it still progresses."""
     s = make_fair(budget=2048, threshold=512)
     s.add(seq(3, name="d"))
     run_step(s)
-    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.1  # a key: 10 % of a token
+    s.costs.decode_step, s.costs.per_token, s.costs.pair_ratio = 0.010, 0.0005, 0.3  # a key: 30 % of a token
     s.add(long := seq(1000, name="score", first=100, kind=SequenceKind.SCORE))
-    first = dict(run_step(s))
-    assert first["d"] == 1 and 1 < first["score"] < 512
-    while long.num_computed_tokens < 300:
+    for _ in range(1000):
+        if long.num_computed_tokens >= 100:
+            break
         assert dict(run_step(s))["d"] == 1
-    # Deep in the prompt one token reads 300 cached keys (31 x a token, over the room): one token per step,
-    # never min_chunk (16 tokens would stall the decode 16 times as long).
-    assert dict(run_step(s)) == {"d": 1, "score": 1}
+    assert long.num_computed_tokens >= 100
+    assert s.costs.chunk_seconds(1, 100) > (3.0 - 1.0) * 0.010 * ROOM_MARGIN  # one token: over the room
+    chunks = [dict(run_step(s)).get("score", 0) for _ in range(40)]
+    assert set(chunks) == {0, 1} and 4 <= sum(chunks) <= 8
 
 
 # ---- fair share under every request shape: many medium prompts in one request, batch work ----------------

@@ -122,3 +122,21 @@ def test_window_and_sinks_are_checked() -> None:
         ops.attention(q, q, q, batch, cache, False, 1.0, chunk=4)
     with pytest.raises(RuntimeError, match=r"sinks must be \[4\] \(one a query head\)"):
         ops.attention(q, q, q, batch, cache, True, 1.0, sinks=torch.zeros(3))
+
+
+@pytest.mark.cpu_kernels
+def test_a_query_deep_in_a_sequence_gives_the_same_bits_on_one_thread_or_two() -> None:
+    """One query over 3,000 cached keys is worth both threads (the kernel counts its keys, not its queries):
+    each (token, head) stays one thread's, in the same order, so its bits do not depend on the split; and a
+    window's first keys (NaN here) are never read."""
+    q, cache, batch, keys, values = poisoned_case([3000, 40], [1, 2], 2500, None, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.attention(q, q, q, batch, cache, True, HEAD_DIM**-0.5, window=2500)
+        torch.set_num_threads(2)
+        split = ops.attention(q, q, q, batch, cache, True, HEAD_DIM**-0.5, window=2500)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+    torch.testing.assert_close(alone, reference(q, keys, values, batch, window=2500), atol=2e-5, rtol=1e-5)
